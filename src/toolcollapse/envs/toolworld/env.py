@@ -1,0 +1,81 @@
+"""The tool world as an `Environment`: tasks by split, tool execution, answer check."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Iterator
+
+from toolcollapse.config import SPLITS, WorldConfig
+from toolcollapse.envs.base import EpisodeState
+from toolcollapse.envs.toolworld.functions import WorldTools
+from toolcollapse.envs.toolworld.kb import generate_kb
+from toolcollapse.envs.toolworld.prompts import STYLES, system_prompt
+from toolcollapse.envs.toolworld.tasks import make_tasks
+from toolcollapse.chat import render_text
+from toolcollapse.records import Message, ParsedTurn, Task
+
+_ANSWER = re.compile(r"answer is\s*(.*?)\s*\.?\s*$", re.I | re.S)
+
+
+class ToolWorld:
+    name = "toolworld"
+
+    def __init__(self, cfg: WorldConfig = WorldConfig()):
+        self.cfg = cfg
+        self.kb = generate_kb(cfg.seed)
+        self.functions = WorldTools(self.kb, distractors=cfg.distractor_tools)
+        self.tool_table = dict(self.functions.by_name)
+        self._splits: dict[str, list[Task]] = {}
+
+    def tasks(self, split: str, n: int | None = None) -> list[Task]:
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
+        if split not in self._splits:
+            sizes = {"train": self.cfg.n_train, "test": self.cfg.n_test,
+                     "ood_content": self.cfg.n_ood, "ood_format": self.cfg.n_ood}
+            held_out = frozenset()
+            if split == "train":  # no program of an in-distribution eval split is trained on
+                held_out = frozenset(t.meta["key"] for s in ("test", "ood_format") for t in self.tasks(s))
+            self._splits[split] = make_tasks(split, sizes[split], self.cfg.seed, self.kb, self.functions, held_out)
+        tasks = self._splits[split]
+        return tasks if n is None else tasks[:n]
+
+    def tokenizer_corpus(self, n_conversations: int) -> Iterator[str]:
+        """Text a tokenizer for this world is trained on: oracle conversations of the
+        train split, plus the tool docs in every prompt style (a tokenizer is trained on
+        broad text; the model itself only ever trains on the `qwen` style)."""
+        for task in self.tasks("train")[:n_conversations]:
+            yield render_text(list(task.prompt) + list(task.reference))
+        for style in STYLES:
+            yield system_prompt(self.functions.tools, style)
+
+    def reset(self, task: Task) -> EpisodeState:
+        return EpisodeState(task=task, tools=self.tool_table)
+
+    def step(self, state: EpisodeState, turn: ParsedTurn) -> list[Message]:
+        if turn.end == "call":
+            state.n_calls += 1
+            if turn.call is None:
+                return [Message("tool", json.dumps({"error": f"could not parse the tool call: {turn.detail}"}))]
+            return [Message("tool", self.functions.execute(turn.call)[1])]
+        if turn.end == "answer":
+            state.final_text = turn.text
+        state.done = True
+        return []
+
+    def success(self, state: EpisodeState) -> bool:
+        return state.final_text is not None and answer_matches(state.final_text, state.task.answer)
+
+
+def answer_matches(text: str, expected: str) -> bool:
+    """The text after "answer is" equals the expected value (numbers compared as numbers)."""
+    m = _ANSWER.search(text)
+    got = (m.group(1) if m else text).strip().strip("\"'`")
+    if got == expected:
+        return True
+    try:
+        a, b = float(got), float(expected)
+    except ValueError:
+        return got.casefold() == expected.casefold()
+    return abs(a - b) <= 1e-9 * max(1.0, abs(b))

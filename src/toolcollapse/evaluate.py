@@ -1,0 +1,131 @@
+"""Evaluation: the real multi-turn loop on a split, per-task results and a summary.
+
+Success is the environment's verdict (tool world: the final answer equals the
+oracle's). Turn states and error types are counted over every assistant turn of
+every episode, exactly as the parser labels them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from transformers import AutoTokenizer
+
+from toolcollapse.config import RunConfig
+from toolcollapse.envs import make_env
+from toolcollapse.model import load_model
+from toolcollapse.parser import describe
+from toolcollapse.records import Episode, ErrorType, Task, TurnState
+from toolcollapse.rollout import RolloutEngine, SamplingParams
+from toolcollapse.runtime import set_threads, write_jsonl
+
+
+@dataclass(frozen=True)
+class EvalSummary:
+    split: str
+    n_episodes: int
+    success_rate: float
+    success_ci95: tuple[float, float]  # Wilson interval
+    n_turns: int
+    state_rates: dict[str, float]  # share of assistant turns in each of the four states
+    healthy_rate: float
+    error_counts: dict[str, int]  # turns showing each error type
+    finish_counts: dict[str, int]
+    success_by_template: dict[str, float]
+    mean_turns: float
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    if n == 0:
+        return (0.0, 0.0)
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def summarize(episodes: Sequence[Episode], tasks: dict[str, Task], split: str, seconds: float = 0.0) -> EvalSummary:
+    turns = [t for ep in episodes for t in ep.turns]
+    states = Counter(t.parsed.state for t in turns)
+    errors = Counter(e for t in turns for e in t.parsed.errors)
+    n_turns = max(1, len(turns))
+    by_template: dict[str, list[bool]] = defaultdict(list)
+    for ep in episodes:
+        by_template[tasks[ep.task_id].meta.get("template", "all")].append(ep.success)
+    wins = sum(ep.success for ep in episodes)
+    return EvalSummary(
+        split=split, n_episodes=len(episodes), success_rate=wins / max(1, len(episodes)),
+        success_ci95=wilson(wins, len(episodes)), n_turns=len(turns),
+        state_rates={s.value: states[s] / n_turns for s in TurnState},
+        healthy_rate=sum(states[s] for s in TurnState if s.healthy) / n_turns,
+        error_counts={e.value: errors[e] for e in ErrorType if errors[e]},
+        finish_counts=dict(Counter(ep.finish for ep in episodes)),
+        success_by_template={k: sum(v) / len(v) for k, v in sorted(by_template.items())},
+        mean_turns=len(turns) / max(1, len(episodes)), seconds=seconds,
+    )
+
+
+def episode_record(ep: Episode, task: Task, decode) -> dict[str, Any]:
+    return {
+        "task_id": ep.task_id, "template": task.meta.get("template"), "n_calls": task.meta.get("n_calls"),
+        "question": task.prompt[-1].content, "answer": task.answer, "final_text": ep.final_text,
+        "success": ep.success, "finish": ep.finish, "n_tokens": len(ep.tokens),
+        "turns": [dict(describe(t.parsed), text=decode(ep.tokens[t.start:t.end]), observation=t.observation)
+                  for t in ep.turns],
+    }
+
+
+def format_summary(s: EvalSummary) -> str:
+    lo, hi = s.success_ci95
+    lines = [
+        f"split {s.split}: {s.n_episodes} episodes, {s.n_turns} assistant turns ({s.seconds:.0f}s)",
+        f"  success        {s.success_rate:7.1%}   (95% CI {lo:.1%} - {hi:.1%})",
+        f"  healthy turns  {s.healthy_rate:7.1%}",
+    ]
+    lines += [f"    {state:<17}{rate:7.1%}" for state, rate in s.state_rates.items()]
+    if s.error_counts:
+        lines.append("  error types (turns): " + ", ".join(f"{k} {v}" for k, v in
+                                                         sorted(s.error_counts.items(), key=lambda kv: -kv[1])))
+    lines.append("  finish: " + ", ".join(f"{k} {v}" for k, v in sorted(s.finish_counts.items())))
+    lines.append("  success by template: " + ", ".join(f"{k} {v:.0%}" for k, v in s.success_by_template.items()))
+    return "\n".join(lines)
+
+
+def sampling_params(cfg: RunConfig, greedy: bool) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(max_turns=r.max_turns, max_new_tokens=r.max_new_tokens,
+                          max_seq_len=cfg.model.max_seq_len, temperature=r.temperature, top_p=r.top_p,
+                          greedy=greedy, batch_size=r.batch_size)
+
+
+def run_eval(checkpoint: str | Path, cfg: RunConfig, out_path: str | Path | None = None) -> EvalSummary:
+    set_threads(cfg.threads)
+    checkpoint = Path(checkpoint)
+    model = load_model(checkpoint)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    env = make_env(cfg.env, cfg.world)
+    tasks = env.tasks(cfg.eval.split, cfg.eval.n_tasks)
+    engine = RolloutEngine(model, tokenizer, env)
+    t0 = time.time()
+    episodes = engine.generate(tasks, sampling_params(cfg, cfg.eval.greedy), seed=cfg.seed, show_progress=True)
+    by_id = {t.id: t for t in tasks}
+    summary = summarize(episodes, by_id, cfg.eval.split, time.time() - t0)
+    if out_path is None:
+        tag = "" if cfg.eval.greedy else "-sampled"
+        out_path = checkpoint / "eval" / f"{cfg.eval.split}{tag}.jsonl"
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out_path, (episode_record(ep, by_id[ep.task_id], engine.decode) for ep in episodes))
+    out_path.with_suffix(".summary.json").write_text(json.dumps(summary.to_json(), indent=2))
+    return summary

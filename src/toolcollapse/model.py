@@ -1,0 +1,117 @@
+"""Models: Llama-architecture presets trained from scratch, and loading of checkpoints.
+
+Presets are plain `transformers.LlamaConfig`s (tied embeddings, RoPE, SwiGLU), so a
+tiny-tier checkpoint is a standard `save_pretrained` directory that any HF tool
+loads. Parameter counts with the default 1024-token vocabulary: tiny ~1.0 M,
+small ~5.1 M, base ~19.6 M.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, intermediate_size=352),
+    "small": dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=4, intermediate_size=704),
+    "base": dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, intermediate_size=1376),
+}
+
+
+def build_model(preset: str, vocab_size: int, max_seq_len: int, pad_token_id: int, eos_token_id: int,
+                seed: int) -> LlamaForCausalLM:
+    """A randomly initialised Llama of the given preset (deterministic in `seed`)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    dims = PRESETS[preset]
+    config = LlamaConfig(
+        vocab_size=vocab_size, max_position_embeddings=max_seq_len, tie_word_embeddings=True,
+        num_key_value_heads=dims["num_attention_heads"], rms_norm_eps=1e-5, rope_theta=10_000.0,
+        pad_token_id=pad_token_id, eos_token_id=eos_token_id, bos_token_id=None, attention_dropout=0.0, **dims,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a checkpoint directory (no config.json); "
+                                "pass the directory that `toolcollapse sft` wrote")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+
+
+def n_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def cache_kwarg(model: PreTrainedModel) -> str:
+    """Name of the KV-cache argument of `model.forward` (`cache` from transformers 5.2x)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def forward(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+            position_ids: torch.Tensor | None = None, cache: Any = None, logits_to_keep: int = 0) -> Any:
+    """`model(...)` with the cache argument under whichever name this transformers uses."""
+    kwargs = {cache_kwarg(model): cache} if cache is not None else {}
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                 use_cache=cache is not None, logits_to_keep=logits_to_keep, **kwargs)
+
+
+def output_cache(out: Any) -> Any:
+    return getattr(out, "cache", None) if getattr(out, "cache", None) is not None else out.past_key_values
+
+
+def hidden_states(model: PreTrainedModel, input_ids: torch.Tensor, prefix_len: int = 0) -> torch.Tensor:
+    """Last hidden states [B, T - prefix_len, D] of right-padded rows that share their first
+    `prefix_len` tokens.
+
+    The shared prefix (on the tool world, a ~650-token system prompt) is run once, its
+    KV cache repeated over the batch, and only the rest of each row is run on top --
+    gradients flow through the cache into the prefix, so the result equals a plain
+    forward over every row. Right padding needs no attention mask: causal attention
+    never looks ahead at the pads.
+    """
+    decoder = model.get_decoder()
+    if prefix_len == 0:
+        return decoder(input_ids=input_ids).last_hidden_state
+    batch, width = input_ids.shape
+    cache = DynamicCache(config=model.config)
+    kw = cache_kwarg(decoder)
+    decoder(input_ids=input_ids[:1, :prefix_len], use_cache=True, **{kw: cache})
+    cache.batch_repeat_interleave(batch)
+    positions = torch.arange(prefix_len, width).expand(batch, -1)
+    return decoder(input_ids=input_ids[:, prefix_len:], position_ids=positions, use_cache=True,
+                   **{kw: cache}).last_hidden_state
+
+
+def shared_prefix_len(rows: list[list[int]], first_trained: list[int], min_len: int = 32) -> int:
+    """Length of the prefix all rows share that holds no trained position (0 when short).
+
+    The hidden state at position t predicts token t + 1, so the prefix must stop
+    before the position preceding the first trained token of any row.
+    """
+    limit = min(min(len(r) for r in rows), min(first_trained) - 1)
+    first = rows[0]
+    n = 0
+    while n < limit and all(r[n] == first[n] for r in rows):
+        n += 1
+    return n if n >= min_len else 0
+
+
+def logits_at(model: PreTrainedModel, input_ids: torch.Tensor, select: torch.Tensor,
+              prefix_len: int = 0) -> torch.Tensor:
+    """Next-token logits at the positions where `select` is True. input_ids, select: [B, T] -> [M, V].
+
+    The LM head runs only on the selected rows: on the tool world a training batch
+    predicts ~12 % of its positions, so the full [B, T, V] logits would be waste.
+    """
+    hidden = hidden_states(model, input_ids, prefix_len)  # [B, T - P, D]
+    return model.get_output_embeddings()(hidden[select[:, prefix_len:]])  # [M, V]

@@ -1,0 +1,250 @@
+"""The one strict parser: labels an assistant turn with the paper's four states.
+
+Grammar of an assistant turn (what follows `<|im_start|>assistant\\n`):
+
+    call     := WS <tool_call> WS JSON WS </tool_call> [WS <|im_end|>]
+    response := TEXT <|im_end|>          (TEXT non-empty, no control token)
+
+JSON must be {"name": <known tool>, "arguments": <object valid for its schema>}.
+
+States (arXiv 2606.26027 names them; the boundaries are ours):
+  healthy_call / healthy_response   the turn matches the grammar;
+  text_pollution                    it ends properly (on </tool_call> or <|im_end|>)
+                                    but its content is corrupted: text around the call,
+                                    bad JSON, unknown tool, bad arguments, a stray
+                                    control token, a call written without tags;
+  full_collapse                     the structure itself is lost: the call is never
+                                    closed, the turn never ends, it is empty, or it
+                                    degenerates into repetition.
+
+The parser never raises, and its cost is linear in the input, which is capped at
+`MAX_CHARS` (head and tail kept, so the terminator is still seen).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Callable, Mapping, Sequence
+
+from toolcollapse.chat import CONTROL_TAGS, ENDOFTEXT, IM_END, TOOL_CALL, TOOL_CALL_END
+from toolcollapse.records import ErrorType, ParsedTurn, ToolCall, TurnState
+from toolcollapse.tools import ToolSpec, validate_arguments
+
+E = ErrorType
+COLLAPSE_ERRORS = frozenset({E.UNCLOSED_CALL, E.MISSING_END_OF_TURN, E.EMPTY_TURN, E.DEGENERATE_REPETITION})
+MAX_CHARS = 65_536
+REPEAT_MIN_UNITS = 4  # a unit of 1-64 chars repeated at least this often ...
+REPEAT_MIN_SPAN = 32  # ... over at least this many chars is degenerate
+_REPEAT = re.compile(r"(.{1,64}?)\1{%d,}" % (REPEAT_MIN_UNITS - 1), re.S)
+_TAG_SPLIT = re.compile("(" + "|".join(re.escape(t) for t in CONTROL_TAGS) + ")")
+
+Segment = tuple[bool, str]  # (is a control tag, text)
+
+
+def parse_turn(text: str, tools: Mapping[str, ToolSpec] | None = None) -> ParsedTurn:
+    """Parse an assistant turn given as text (control tags written out)."""
+    try:
+        return parse_segments(text_segments(text), tools)
+    except Exception as err:  # pragma: no cover - fuzzed unguarded in the tests; never take a run down
+        return _internal_error(err)
+
+
+def text_segments(text: str) -> list[Segment]:
+    return [(s in CONTROL_TAGS, s) for s in _TAG_SPLIT.split(_cap(text)) if s]
+
+
+def parse_turn_ids(ids: Sequence[int], id_to_tag: Mapping[int, str], decode: Callable[[list[int]], str],
+                   tools: Mapping[str, ToolSpec] | None = None) -> ParsedTurn:
+    """Parse a turn given as token ids: only real control tokens count as tags."""
+    try:
+        return parse_segments(id_segments(ids, id_to_tag, decode), tools)
+    except Exception as err:  # pragma: no cover - fuzzed unguarded in the tests
+        return _internal_error(err)
+
+
+def id_segments(ids: Sequence[int], id_to_tag: Mapping[int, str],
+                decode: Callable[[list[int]], str]) -> list[Segment]:
+    segments: list[Segment] = []
+    run: list[int] = []
+    for i in ids:
+        if i in id_to_tag:
+            if run:
+                segments.append((False, decode(run)))
+                run = []
+            segments.append((True, id_to_tag[i]))
+        else:
+            run.append(i)
+    if run:
+        segments.append((False, decode(run)))
+    return _cap_segments(segments)
+
+
+def parse_segments(segments: Sequence[Segment], tools: Mapping[str, ToolSpec] | None) -> ParsedTurn:
+    errors: list[ErrorType] = []
+    notes: list[str] = []
+
+    def flag(error: ErrorType, note: str) -> None:
+        if error not in errors:
+            errors.append(error)
+            notes.append(note)
+
+    segs = list(segments)
+    ended_on_im_end = bool(segs) and segs[-1] == (True, IM_END)
+    if ended_on_im_end:
+        segs.pop()
+    elif segs and segs[-1] == (True, ENDOFTEXT):
+        segs.pop()
+        flag(E.MISSING_END_OF_TURN, "turn ended with <|endoftext|> instead of <|im_end|>")
+    elif not segs or segs[-1] != (True, TOOL_CALL_END):
+        flag(E.MISSING_END_OF_TURN, "turn ended without <|im_end|> or </tool_call> (token budget or end of text)")
+
+    bodies, outside, open_body = _split_calls(segs, flag)
+    closed_at_end = bool(bodies) and _last_structure_is_call_end(segs)
+    if open_body is not None:
+        flag(E.UNCLOSED_CALL, "<tool_call> was never closed")
+    outside_text = "".join(outside)
+
+    call = None
+    if bodies:
+        if outside_text.strip():
+            flag(E.TEXT_OUTSIDE_CALL, f"text outside the call: {outside_text.strip()[:40]!r}")
+        if len(bodies) > 1:
+            flag(E.MULTIPLE_CALLS, f"{len(bodies)} calls in one turn")
+        call = _parse_call(bodies[0], tools, flag)
+    elif open_body is None:
+        if not outside_text.strip():
+            flag(E.EMPTY_TURN, "the turn has no content")
+        elif _looks_like_call(outside_text):
+            flag(E.UNTAGGED_CALL, "a tool call written without <tool_call> tags")
+    if not ended_on_im_end and not closed_at_end and segs and segs[-1] == (True, TOOL_CALL_END):
+        flag(E.MISSING_END_OF_TURN, "turn ended on a stray </tool_call>")
+
+    flat = "".join(s for _, s in segments)
+    if _degenerate(flat):
+        flag(E.DEGENERATE_REPETITION, "a short unit repeats over and over")
+
+    end = "call" if closed_at_end else ("answer" if ended_on_im_end else "none")
+    if any(e in COLLAPSE_ERRORS for e in errors):
+        state = TurnState.FULL_COLLAPSE
+    elif errors:
+        state = TurnState.TEXT_POLLUTION
+    else:
+        state = TurnState.HEALTHY_CALL if call is not None else TurnState.HEALTHY_RESPONSE
+    return ParsedTurn(state=state, errors=tuple(errors), call=call, text=outside_text.strip(), end=end,
+                      detail=notes[0] if notes else "")
+
+
+def _split_calls(segs: Sequence[Segment], flag: Callable[[ErrorType, str], None]):
+    """Walk the segments: bodies of closed calls, text outside calls, body of an unclosed call."""
+    bodies: list[str] = []
+    outside: list[str] = []
+    body: list[str] | None = None
+    for is_tag, s in segs:
+        if not is_tag:
+            (outside if body is None else body).append(s)
+        elif s == TOOL_CALL:
+            if body is not None:
+                flag(E.FORBIDDEN_CONTROL_TOKEN, "<tool_call> inside a call")
+            else:
+                body = []
+        elif s == TOOL_CALL_END:
+            if body is None:
+                flag(E.FORBIDDEN_CONTROL_TOKEN, "</tool_call> without an open call")
+            else:
+                bodies.append("".join(body))
+                body = None
+        else:
+            where = "inside a call" if body is not None else "in an assistant turn"
+            flag(E.FORBIDDEN_CONTROL_TOKEN, f"{s} {where}")
+    return bodies, outside, (None if body is None else "".join(body))
+
+
+def _last_structure_is_call_end(segs: Sequence[Segment]) -> bool:
+    """True when the turn's last non-whitespace segment is a </tool_call>."""
+    for is_tag, s in reversed(segs):
+        if not is_tag and not s.strip():
+            continue
+        return is_tag and s == TOOL_CALL_END
+    return False
+
+
+def _parse_call(body: str, tools: Mapping[str, ToolSpec] | None,
+                flag: Callable[[ErrorType, str], None]) -> ToolCall | None:
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):
+        flag(E.INVALID_JSON, f"call body is not JSON: {body.strip()[:40]!r}")
+        return None
+    if not (isinstance(obj, dict) and set(obj) == {"name", "arguments"}
+            and isinstance(obj["name"], str) and isinstance(obj["arguments"], dict)):
+        flag(E.BAD_CALL_SCHEMA, 'call must be {"name": string, "arguments": object}')
+        return None
+    call = ToolCall(obj["name"], obj["arguments"])
+    if tools is not None:
+        spec = tools.get(call.name)
+        if spec is None:
+            flag(E.UNKNOWN_TOOL, f"unknown tool {call.name!r}")
+        else:
+            problems = validate_arguments(spec, call.arguments)
+            if problems:
+                flag(E.BAD_ARGUMENTS, "; ".join(problems))
+    return call
+
+
+def _looks_like_call(text: str) -> bool:
+    text = text.strip()
+    if not (text.startswith("{") and '"name"' in text):
+        return False
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError):
+        return '"arguments"' in text
+    return isinstance(obj, dict) and "name" in obj
+
+
+def _degenerate(text: str) -> bool:
+    return any(m.end() - m.start() >= REPEAT_MIN_SPAN for m in _REPEAT.finditer(text))
+
+
+def _cap(text: str) -> str:
+    if len(text) <= MAX_CHARS:
+        return text
+    return text[: MAX_CHARS // 2] + text[-MAX_CHARS // 2:]
+
+
+def _cap_segments(segments: list[Segment]) -> list[Segment]:
+    total = sum(len(s) for _, s in segments)
+    if total <= MAX_CHARS:
+        return segments
+    keep: list[Segment] = []
+    budget = MAX_CHARS // 2
+    for is_tag, s in segments:  # head
+        if budget <= 0:
+            break
+        keep.append((is_tag, s if is_tag else s[:budget]))
+        budget -= len(s)
+    tail: list[Segment] = []
+    budget = MAX_CHARS // 2
+    for is_tag, s in reversed(segments):
+        if budget <= 0:
+            break
+        tail.append((is_tag, s if is_tag else s[-budget:]))
+        budget -= len(s)
+    return keep + tail[::-1]
+
+
+def _internal_error(err: Exception) -> ParsedTurn:
+    return ParsedTurn(TurnState.FULL_COLLAPSE, (E.MISSING_END_OF_TURN,), None, "", "none",
+                      f"parser error {type(err).__name__}: {err}")
+
+
+def tool_table(tools: Sequence[ToolSpec]) -> dict[str, ToolSpec]:
+    return {t.name: t for t in tools}
+
+
+def describe(parsed: ParsedTurn) -> dict[str, Any]:
+    """JSON-ready summary of a parsed turn for result files."""
+    return {"state": parsed.state.value, "errors": [e.value for e in parsed.errors], "end": parsed.end,
+            "detail": parsed.detail, "call": None if parsed.call is None else
+            {"name": parsed.call.name, "arguments": parsed.call.arguments}}

@@ -1,0 +1,234 @@
+"""Batched, KV-cached, multi-turn rollouts, token-in/token-out.
+
+For a batch of tasks and G rollouts each:
+  1. encode each distinct prompt once, prefill them together (left-padded), then
+     repeat the KV cache G times -- the shared prompt is computed once per group;
+  2. decode one assistant turn for every live sequence in lock-step; a sequence
+     stops on </tool_call>, <|im_end|>, <|endoftext|> or its per-turn budget, then
+     feeds pad tokens (masked out) until the others are done;
+  3. parse each turn (four states), let the environment answer it (run the tool);
+  4. append, per sequence, the template tokens and the observation's tokens to the
+     KV cache in one left-padded chunk -- the history is never decoded and
+     re-encoded (re-tokenisation caused silent training bugs in TRL and verl);
+  5. drop finished sequences from the cache and repeat until none is left.
+
+Padding inside the cache is masked, and positions count real tokens only, so each
+sequence sees exactly what an unpadded forward over `Episode.tokens` would see.
+The sampling log-prob of every sampled token is recorded (under the distribution it
+was sampled from: temperature and top-p applied), and `loss_mask` is 1 only there.
+Same seed, same batch -> same rollouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from toolcollapse.chat import (ENDOFTEXT, STOP_TAGS, CONTROL_TAGS, PieceEncoder, conversation_pieces,
+                               generation_prompt, message_pieces, turn_suffix)
+from toolcollapse.envs.base import Environment, EpisodeState
+from toolcollapse.model import forward, output_cache
+from toolcollapse.parser import parse_turn_ids
+from toolcollapse.records import Episode, Task, TurnRecord
+from toolcollapse.runtime import progress
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_turns: int = 10
+    max_new_tokens: int = 96  # per assistant turn
+    max_seq_len: int = 2048  # a sequence reaching it ends with finish="context_limit"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False
+    batch_size: int = 64  # sequences decoded together
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams,
+                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next tokens and their log-probs under the sampling distribution. logits: [N, V]."""
+    logits = logits.float()
+    if params.greedy:
+        logp = torch.log_softmax(logits, dim=-1)  # [N, V]
+        tokens = logits.argmax(dim=-1)  # [N]
+        return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+    logp = torch.log_softmax(logits / params.temperature, dim=-1)  # [N, V]
+    if params.top_p < 1.0:
+        sorted_logp, order = logp.sort(dim=-1, descending=True)
+        cum = sorted_logp.exp().cumsum(dim=-1)
+        drop = cum - sorted_logp.exp() > params.top_p  # keep the smallest prefix with mass >= top_p
+        sorted_logp = sorted_logp.masked_fill(drop, float("-inf"))
+        logp = torch.full_like(logp, float("-inf")).scatter(1, order, sorted_logp)
+        logp = torch.log_softmax(logp, dim=-1)
+    tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)  # [N]
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+@dataclass
+class _Row:
+    """A live sequence: its episode record, its environment state, its turn in progress."""
+
+    episode: Episode
+    state: EpisodeState
+    turn_ids: list[int] = field(default_factory=list)
+    generating: bool = True
+
+
+class RolloutEngine:
+    def __init__(self, model: PreTrainedModel, tokenizer: Any, env: Environment):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.env = env
+        self.encoder = PieceEncoder(tokenizer)
+        ids = self.encoder.special_ids
+        self.stop_ids = frozenset(ids[t] for t in STOP_TAGS)
+        self.pad_id = ids[ENDOFTEXT]
+        self.id_to_tag = {ids[t]: t for t in CONTROL_TAGS}
+
+    @torch.no_grad()
+    def generate(self, tasks: Sequence[Task], params: SamplingParams, group_size: int = 1,
+                 seed: int = 0, show_progress: bool = False) -> list[Episode]:
+        """`group_size` episodes per task, in task order."""
+        generator = torch.Generator().manual_seed(seed)
+        per_batch = max(1, params.batch_size // group_size)
+        was_training = self.model.training
+        self.model.eval()
+        bar = progress(len(tasks) * group_size, "rollout") if show_progress else None
+        try:
+            episodes: list[Episode] = []
+            for i in range(0, len(tasks), per_batch):
+                batch = self._generate_batch(tasks[i:i + per_batch], params, group_size, generator)
+                episodes += batch
+                if bar is not None:
+                    bar.update(len(batch))
+            return episodes
+        finally:
+            self.model.train(was_training)
+            if bar is not None:
+                bar.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _generate_batch(self, tasks: Sequence[Task], params: SamplingParams, group_size: int,
+                        generator: torch.Generator) -> list[Episode]:
+        prompts = [self.encoder.encode(conversation_pieces(t.prompt, add_generation_prompt=True))[0] for t in tasks]
+        too_long = [t.id for t, p in zip(tasks, prompts) if len(p) >= params.max_seq_len]
+        if too_long:
+            raise ValueError(f"prompts of {too_long[:3]} exceed max_seq_len={params.max_seq_len}; raise it")
+        cache, logits, attn, next_pos = self._prefill(prompts)
+        cache.batch_repeat_interleave(group_size)
+        logits = logits.repeat_interleave(group_size, dim=0)  # [N, V]
+        attn = attn.repeat_interleave(group_size, dim=0)  # [N, L]
+        next_pos = next_pos.repeat_interleave(group_size, dim=0)  # [N]
+        rows = [_Row(Episode(t.id, list(p), [0] * len(p), [0.0] * len(p), len(p)), self.env.reset(t))
+                for t, p in zip(tasks, prompts) for _ in range(group_size)]
+        all_rows = list(rows)
+
+        for turn in range(params.max_turns):
+            logits, attn, next_pos = self._decode_turn(rows, cache, logits, attn, next_pos, params, generator)
+            chunks = self._finish_turn(rows, turn == params.max_turns - 1, params.max_seq_len)
+            keep = [i for i, c in enumerate(chunks) if c is not None]
+            if not keep:
+                break
+            if len(keep) < len(rows):
+                index = torch.tensor(keep)
+                cache.batch_select_indices(index)
+                attn, next_pos = attn[index], next_pos[index]
+                rows = [rows[i] for i in keep]
+                chunks = [chunks[i] for i in keep]
+            logits, attn, next_pos = self._append(cache, chunks, attn, next_pos)
+        for row in all_rows:
+            row.episode.success = self.env.success(row.state)
+        return [row.episode for row in all_rows]
+
+    def _prefill(self, prompts: list[list[int]]):
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding: every row's last position is real
+            ids[i, width - len(p):] = torch.tensor(p)
+            attn[i, width - len(p):] = 1
+        pos = (attn.cumsum(dim=1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        out = forward(self.model, ids, attn, pos, cache=cache, logits_to_keep=1)
+        return output_cache(out), out.logits[:, -1], attn, attn.sum(dim=1)
+
+    def _decode_turn(self, rows: list[_Row], cache, logits, attn, next_pos, params, generator):
+        for row in rows:
+            row.turn_ids, row.generating = [], True
+        for _ in range(params.max_new_tokens):
+            tokens, logps = sample_next(logits, params, generator)
+            feed = torch.full((len(rows),), self.pad_id, dtype=torch.long)
+            fed = torch.zeros(len(rows), dtype=torch.long)
+            for i, row in enumerate(rows):
+                if not row.generating:
+                    continue
+                tok = int(tokens[i])
+                ep = row.episode
+                ep.tokens.append(tok)
+                ep.loss_mask.append(1)
+                ep.logprobs.append(float(logps[i]))
+                row.turn_ids.append(tok)
+                feed[i], fed[i] = tok, 1
+                if tok in self.stop_ids or len(ep.tokens) >= params.max_seq_len:
+                    row.generating = False
+            attn = torch.cat([attn, fed[:, None]], dim=1)
+            out = forward(self.model, feed[:, None], attn, next_pos[:, None], cache=cache, logits_to_keep=1)
+            logits = out.logits[:, -1]
+            next_pos = next_pos + fed
+            if not any(r.generating for r in rows):
+                break
+        return logits, attn, next_pos
+
+    def _finish_turn(self, rows: list[_Row], last_turn: bool, max_seq_len: int) -> list[list[int] | None]:
+        """Parse each row's turn, step the environment; the tokens to append, or None if the episode ended."""
+        chunks: list[list[int] | None] = []
+        for row in rows:
+            ep = row.episode
+            parsed = parse_turn_ids(row.turn_ids, self.id_to_tag, self.decode, row.state.tools)
+            record = TurnRecord(start=len(ep.tokens) - len(row.turn_ids), end=len(ep.tokens), parsed=parsed)
+            ep.turns.append(record)
+            if parsed.end == "none":
+                ep.finish = "context_limit" if len(ep.tokens) >= max_seq_len else "malformed"
+                chunks.append(None)
+                continue
+            if last_turn and parsed.end == "call":
+                ep.finish = "max_turns"
+                chunks.append(None)
+                continue
+            observations = self.env.step(row.state, parsed)
+            if not observations:
+                ep.finish = "answered" if parsed.end == "answer" else "malformed"
+                ep.final_text = row.state.final_text
+                chunks.append(None)
+                continue
+            record.observation = "\n".join(m.content for m in observations)
+            pieces = turn_suffix(parsed.end == "call") + [p for m in observations for p in message_pieces(m)]
+            ids, _ = self.encoder.encode(pieces + generation_prompt())
+            if len(ep.tokens) + len(ids) + 1 >= max_seq_len:
+                ep.finish = "context_limit"
+                chunks.append(None)
+                continue
+            ep.tokens += ids
+            ep.loss_mask += [0] * len(ids)
+            ep.logprobs += [0.0] * len(ids)
+            chunks.append(ids)
+        return chunks
+
+    def _append(self, cache, chunks: list[list[int]], attn, next_pos):
+        width = max(len(c) for c in chunks)
+        ids = torch.full((len(chunks), width), self.pad_id, dtype=torch.long)
+        new = torch.zeros((len(chunks), width), dtype=torch.long)
+        for i, c in enumerate(chunks):
+            ids[i, width - len(c):] = torch.tensor(c)
+            new[i, width - len(c):] = 1
+        pos = next_pos[:, None] + (new.cumsum(dim=1) - 1).clamp(min=0)
+        attn = torch.cat([attn, new], dim=1)
+        out = forward(self.model, ids, attn, pos, cache=cache, logits_to_keep=1)
+        return out.logits[:, -1], attn, next_pos + new.sum(dim=1)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)

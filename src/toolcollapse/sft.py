@@ -1,0 +1,174 @@
+"""Supervised fine-tuning on oracle trajectories (loss on assistant tokens only).
+
+`run_sft` trains a tokenizer on the world's text, builds a Llama preset from
+scratch, and trains it on the ground-truth conversations of the train split; the
+loss covers exactly the tokens a rollout would sample (`Piece.trainable`: the call
+or answer and its stop token), never the prompt, tool results or template tokens.
+The checkpoint is a standard `save_pretrained` directory plus `toolcollapse.yaml`
+(the resolved config) and `metrics.jsonl`.
+
+Validation reports accuracy by kind of target token, because a tiny model learns
+the format long before it learns to copy: `digit` (digits of values copied from tool
+results), `word` (a word that occurs earlier in the question or a tool result:
+entity names, units) and `structure` (everything else: tags, JSON, tool names).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from toolcollapse.chat import IM_START, PieceEncoder
+from toolcollapse.config import RunConfig, dump_config
+from toolcollapse.envs import make_env
+from toolcollapse.losses import sft_loss
+from toolcollapse.model import build_model, logits_at, n_params, shared_prefix_len
+from toolcollapse.optim import lr_at, make_optimizer, set_lr
+from toolcollapse.records import Task
+from toolcollapse.runtime import append_jsonl, progress, seed_everything, set_threads
+from toolcollapse.tokenizer import train_tokenizer
+
+CONFIG_FILE = "toolcollapse.yaml"
+Example = tuple[list[int], list[int]]  # (token ids, trainable mask)
+TOKEN_KINDS = ("digit", "word", "structure")
+
+
+def encode_tasks(encoder: PieceEncoder, tasks: Sequence[Task]) -> list[Example]:
+    return [encoder.encode_conversation(list(t.prompt) + list(t.reference)) for t in tasks]
+
+
+def collate(examples: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids [B, T] and the positions whose *next* token is trained [B, T]."""
+    width = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    select = torch.zeros((len(examples), width), dtype=torch.bool)
+    for i, (x, m) in enumerate(examples):
+        ids[i, :len(x)] = torch.tensor(x)
+        select[i, :len(x) - 1] = torch.tensor(m[1:], dtype=torch.bool)
+    return ids, select
+
+
+def length_grouped_batches(examples: Sequence[Example], batch_size: int, rng: random.Random,
+                           group: int = 16) -> Iterator[list[Example]]:
+    """Endless shuffled batches; with group > 1, of similar lengths: draw `group` batches'
+    worth of examples, sort by length, cut, shuffle the batches (padding ~30 % -> ~3 %)."""
+    order: list[int] = []
+    while True:
+        while len(order) < batch_size * group:
+            order += rng.sample(range(len(examples)), len(examples))
+        pool = order[:batch_size * group]
+        del order[:batch_size * group]
+        if group > 1:
+            pool.sort(key=lambda i: len(examples[i][0]))
+        chunks = [pool[i:i + batch_size] for i in range(0, len(pool), batch_size)]
+        rng.shuffle(chunks)
+        for chunk in chunks:
+            yield [examples[i] for i in chunk]
+
+
+def batch_logits(model: Any, examples: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [M, V] at the trained positions and their targets [M]; a shared prefix is run once."""
+    ids, select = collate(examples, pad_id)
+    targets = ids[:, 1:][select[:, :-1]]  # [M]
+    prefix = shared_prefix_len([x for x, _ in examples], [m.index(1) for _, m in examples])
+    return logits_at(model, ids, select, prefix), targets
+
+
+def token_kinds(example: Example, tokenizer: Any) -> list[str]:
+    """Kind of each trained target of one conversation, in order (see module docstring)."""
+    ids, mask = example
+    start = [i for i, t in enumerate(ids) if t == tokenizer.convert_tokens_to_ids(IM_START)][1]  # first user turn
+    seen: set[int] = set()
+    kinds = []
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    for j in range(start, len(ids)):
+        if mask[j]:
+            text = tokens[j].lstrip("Ġ")
+            kinds.append("digit" if text.isdigit() else
+                         "word" if ids[j] in seen and any(c.isalpha() for c in text) else "structure")
+        else:
+            seen.add(ids[j])
+    return kinds
+
+
+@torch.no_grad()
+def validate(model: Any, examples: Sequence[Example], kinds: Sequence[Sequence[str]], pad_id: int,
+             batch_size: int) -> dict[str, float]:
+    """Loss and accuracy by token kind on held-out oracle conversations."""
+    was_training = model.training
+    model.eval()
+    total_nll, hits, counts = 0.0, dict.fromkeys(TOKEN_KINDS, 0), dict.fromkeys(TOKEN_KINDS, 0)
+    for i in range(0, len(examples), batch_size):
+        logits, targets = batch_logits(model, examples[i:i + batch_size], pad_id)
+        total_nll += torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum").item()
+        correct = (logits.argmax(dim=-1) == targets).tolist()
+        for ok, kind in zip(correct, [k for ks in kinds[i:i + batch_size] for k in ks]):
+            hits[kind] += ok
+            counts[kind] += 1
+    model.train(was_training)
+    out = {"val/loss": total_nll / max(1, sum(counts.values()))}
+    out.update({f"val/acc_{k}": hits[k] / max(1, counts[k]) for k in TOKEN_KINDS})
+    return out
+
+
+def run_sft(cfg: RunConfig, out_dir: str | Path | None = None) -> Path:
+    out = Path(out_dir) if out_dir is not None else Path(cfg.out_dir) / "sft"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.jsonl").unlink(missing_ok=True)
+    set_threads(cfg.threads)
+    seed_everything(cfg.seed)
+    t0 = time.time()
+
+    env = make_env(cfg.env, cfg.world)
+    tokenizer = train_tokenizer(env.tokenizer_corpus(cfg.tokenizer.corpus_tasks), cfg.tokenizer.vocab_size,
+                                cfg.tokenizer.single_digits)
+    encoder = PieceEncoder(tokenizer)
+    sc = cfg.sft
+    train = encode_tasks(encoder, env.tasks("train")[:min(cfg.world.n_train, sc.steps * sc.batch_size)])
+    val = encode_tasks(encoder, env.tasks("test")[:64])
+    val_kinds = [token_kinds(e, tokenizer) for e in val]
+    longest = max(len(x) for x, _ in train)
+    if longest > cfg.model.max_seq_len:
+        raise ValueError(f"a training conversation has {longest} tokens > model.max_seq_len={cfg.model.max_seq_len}")
+
+    model = build_model(cfg.model.preset, len(tokenizer), cfg.model.max_seq_len, tokenizer.pad_token_id,
+                        tokenizer.eos_token_id, cfg.seed)
+    model.train()
+    optimizer = make_optimizer(model, sc.lr, sc.weight_decay, sc.betas)
+    print(f"sft: {cfg.model.preset} model, {n_params(model) / 1e6:.2f} M params, vocab {len(tokenizer)}, "
+          f"{len(train)} conversations (mean {sum(len(x) for x, _ in train) / len(train):.0f} tokens), "
+          f"{sc.steps} steps x {sc.batch_size}; setup {time.time() - t0:.1f}s")
+
+    batches = length_grouped_batches(train, sc.batch_size, random.Random(cfg.seed),
+                                     group=16 if sc.group_by_length else 1)
+    bar = progress(sc.steps, "sft")
+    for step in range(sc.steps):
+        lr = lr_at(step, sc.lr, sc.warmup_steps, sc.steps, sc.min_lr_ratio, sc.schedule, sc.decay_frac)
+        set_lr(optimizer, lr)
+        logits, targets = batch_logits(model, next(batches), tokenizer.pad_token_id)
+        loss, stats = sft_loss(logits, targets)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), sc.grad_clip).item()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        bar.update(1)
+        bar.set_postfix(loss=f"{stats.loss:.3f}", acc=f"{stats.accuracy:.3f}", lr=f"{lr:.1e}", refresh=False)
+        record: dict[str, Any] = {}
+        if step % sc.log_every == 0 or step == sc.steps - 1:
+            record = {"loss": stats.loss, "accuracy": stats.accuracy, "lr": lr, "grad_norm": grad_norm}
+        if (step + 1) % sc.val_every == 0 or step == sc.steps - 1:
+            record.update(validate(model, val, val_kinds, tokenizer.pad_token_id, sc.batch_size))
+        if record:
+            append_jsonl(out / "metrics.jsonl", {"step": step, **record, "elapsed_s": round(time.time() - t0, 2)})
+    bar.close()
+
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    dump_config(cfg, out / CONFIG_FILE)
+    final = {k: round(v, 4) for k, v in record.items() if k.startswith("val/")}
+    print(f"sft: done in {time.time() - t0:.0f}s; final train loss {stats.loss:.4f}; {final} -> {out}")
+    return out

@@ -1,0 +1,25 @@
+import pytest
+import torch
+
+from toolcollapse.config import WorldConfig
+from toolcollapse.envs.toolworld import ToolWorld
+from toolcollapse.model import build_model
+from toolcollapse.tokenizer import train_tokenizer
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def world() -> ToolWorld:
+    return ToolWorld(WorldConfig(seed=0, n_train=2000, n_test=200, n_ood=150))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(world):
+    return train_tokenizer(world.tokenizer_corpus(500), vocab_size=512)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tokenizer):
+    model = build_model("tiny", len(tokenizer), 2048, tokenizer.pad_token_id, tokenizer.eos_token_id, seed=0)
+    return model.eval()

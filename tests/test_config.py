@@ -1,0 +1,64 @@
+import subprocess
+import sys
+
+import pytest
+
+from toolcollapse.cli import main
+from toolcollapse.config import ConfigError, RunConfig, dump_config, load_config
+
+
+def test_defaults_and_file_roundtrip(tmp_path):
+    cfg = load_config("configs/tiny.yaml")
+    assert isinstance(cfg, RunConfig) and cfg.model.preset == "tiny"
+    dump_config(cfg, tmp_path / "c.yaml")
+    assert load_config(tmp_path / "c.yaml") == cfg
+
+
+def test_overrides_parse_yaml_values():
+    cfg = load_config(None, ["sft.lr=3e-4", "eval.n_tasks=null", "world.seed=3", "sft.betas=[0.8, 0.9]"])
+    assert cfg.sft.lr == pytest.approx(3e-4)  # PyYAML reads 3e-4 as a string; floats accept it
+    assert cfg.eval.n_tasks is None and cfg.world.seed == 3 and cfg.sft.betas == (0.8, 0.9)
+
+
+@pytest.mark.parametrize("override, names", [
+    ("sft.lrr=1", "sft.lrr"),
+    ("bogus=1", "bogus"),
+    ("sft.steps=ten", "sft.steps"),
+    ("sft.steps=1.5", "sft.steps"),
+    ("model.preset=huge", "model.preset"),
+    ("eval.greedy=yes please", "eval.greedy"),
+    ("eval.split=validation", "eval.split"),
+    ("sft=3", "sft"),
+])
+def test_bad_overrides_name_the_key(override, names):
+    with pytest.raises(ConfigError, match=names.replace(".", r"\.")):
+        load_config("configs/tiny.yaml", [override])
+
+
+def test_missing_file_names_the_path(tmp_path):
+    with pytest.raises(ConfigError, match="nope.yaml"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_bad_yaml_top_level(tmp_path):
+    p = tmp_path / "list.yaml"
+    p.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(p)
+
+
+def test_cli_bad_config_exits_before_work(tmp_path, capsys):
+    out = tmp_path / "should_not_exist"
+    code = main(["sft", "--config", "configs/tiny.yaml", "--set", "sft.lrr=1", "--out", str(out)])
+    assert code == 2 and not out.exists()
+    assert "sft.lrr" in capsys.readouterr().err
+    assert main(["sft", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert str(tmp_path / "missing.yaml") in capsys.readouterr().err
+    assert main(["eval", str(tmp_path / "no_checkpoint")]) == 2
+    assert "no_checkpoint" in capsys.readouterr().err
+
+
+def test_console_script_exit_code(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "toolcollapse.cli", "sft", "--config", "configs/tiny.yaml",
+                           "--set", "model.max_seq_len=long"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "model.max_seq_len" in proc.stderr

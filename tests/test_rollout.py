@@ -1,0 +1,106 @@
+import copy
+
+import pytest
+import torch
+
+from toolcollapse.chat import generation_prompt, message_pieces, turn_suffix
+from toolcollapse.records import Message
+from toolcollapse.rollout import RolloutEngine, SamplingParams, sample_next
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model, tokenizer):
+    """The random tiny model with a logit bias towards </tool_call> (p ~ 0.1 per token), so
+    turns end on calls and episodes run several turns: tool errors come back, get appended."""
+    model = copy.deepcopy(tiny_model)
+    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(model.get_output_embeddings().weight)
+        head.bias.zero_()
+        head.bias[tokenizer.convert_tokens_to_ids("</tool_call>")] = 4.0
+    model.lm_head = head
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def engine(policy, tokenizer, world):
+    return RolloutEngine(policy, tokenizer, world)
+
+
+@pytest.fixture(scope="module")
+def episodes(engine, world):
+    tasks = world.tasks("test")[:4] + world.tasks("ood_format")[:4]  # prompts of different lengths
+    params = SamplingParams(max_turns=4, max_new_tokens=40, batch_size=12)
+    return tasks, engine.generate(tasks, params, group_size=3, seed=7)
+
+
+def test_groups_in_task_order(episodes):
+    tasks, eps = episodes
+    assert [e.task_id for e in eps] == [t.id for t in tasks for _ in range(3)]
+    for i in range(0, len(eps), 3):
+        p = eps[i].prompt_len
+        assert eps[i].tokens[:p] == eps[i + 1].tokens[:p] == eps[i + 2].tokens[:p]
+
+
+def test_loss_mask_is_exactly_the_sampled_turns(episodes):
+    _, eps = episodes
+    for ep in eps:
+        assert len(ep.tokens) == len(ep.loss_mask) == len(ep.logprobs)
+        sampled = {i for t in ep.turns for i in range(t.start, t.end)}
+        assert {i for i, m in enumerate(ep.loss_mask) if m} == sampled
+        assert all(lp == 0.0 for lp, m in zip(ep.logprobs, ep.loss_mask) if not m)
+        assert all(t.end - t.start <= 40 for t in ep.turns) and len(ep.turns) <= 4
+
+
+def test_observations_are_appended_token_in_token_out(engine, episodes):
+    _, eps = episodes
+    multi = [ep for ep in eps if len(ep.turns) > 1]
+    assert multi, "the seed should give some multi-turn episodes"
+    for ep in multi:
+        for turn, nxt in zip(ep.turns, ep.turns[1:]):
+            assert turn.parsed.end == "call" and turn.observation is not None
+            expected, _ = engine.encoder.encode(turn_suffix(True) + message_pieces(Message("tool", turn.observation))
+                                                + generation_prompt())
+            assert ep.tokens[turn.end:nxt.start] == expected
+
+
+def test_recorded_logprobs_match_a_plain_forward(policy, episodes):
+    """KV cache, padding holes and positions leave each sequence exactly as an unpadded forward sees it."""
+    _, eps = episodes
+    for ep in eps[::2]:
+        ids = torch.tensor([ep.tokens])
+        with torch.no_grad():
+            logp = torch.log_softmax(policy(input_ids=ids).logits[0].float(), dim=-1)  # [T, V]
+        pos = [i for i, m in enumerate(ep.loss_mask) if m]
+        recomputed = logp[torch.tensor(pos) - 1, torch.tensor([ep.tokens[i] for i in pos])]
+        torch.testing.assert_close(recomputed, torch.tensor([ep.logprobs[i] for i in pos]), atol=2e-4, rtol=0)
+
+
+def test_same_seed_same_rollouts(engine, world, episodes):
+    tasks, eps = episodes
+    again = engine.generate(tasks, SamplingParams(max_turns=4, max_new_tokens=40, batch_size=12), 3, seed=7)
+    assert [e.tokens for e in again] == [e.tokens for e in eps]
+    other = engine.generate(tasks, SamplingParams(max_turns=4, max_new_tokens=40, batch_size=12), 3, seed=8)
+    assert [e.tokens for e in other] != [e.tokens for e in eps]
+
+
+def test_turn_and_context_caps(engine, world):
+    tasks = world.tasks("test")[:3]
+    eps = engine.generate(tasks, SamplingParams(max_turns=1, max_new_tokens=5, batch_size=8), group_size=2)
+    for ep in eps:
+        assert len(ep.turns) == 1 and ep.turns[0].end - ep.turns[0].start <= 5
+        assert ep.finish in ("malformed", "max_turns", "answered")
+    limit = max(len(e.tokens) for e in eps[:1]) + 2
+    capped = engine.generate(tasks[:1], SamplingParams(max_turns=3, max_new_tokens=50, max_seq_len=limit))
+    assert len(capped[0].tokens) <= limit and capped[0].finish in ("context_limit", "answered", "malformed")
+
+
+def test_greedy_sampling_and_top_p():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
+    tok, lp = sample_next(logits, SamplingParams(greedy=True), None)
+    assert tok.tolist() == [1, 0]
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(1, tok[:, None]).squeeze(1))
+    g = torch.Generator().manual_seed(0)
+    tok, lp = sample_next(logits.repeat(200, 1), SamplingParams(top_p=0.5), g)
+    assert set(tok[0::2].tolist()) == {1} and set(tok[1::2].tolist()) == {0}  # only the top token survives
+    assert torch.allclose(lp, torch.zeros_like(lp))  # renormalised: log 1

@@ -1,0 +1,129 @@
+import json
+
+import pytest
+
+from toolcollapse.config import SPLITS, WorldConfig
+from toolcollapse.envs.toolworld import ToolWorld, answer_matches
+from toolcollapse.envs.toolworld.functions import SOLVING_TOOLS
+from toolcollapse.envs.toolworld.tasks import OOD_TEMPLATES, TRAIN_TEMPLATES
+from toolcollapse.chat import CONTROL_TAGS, PieceEncoder, assistant_body
+from toolcollapse.parser import parse_turn, parse_turn_ids
+from toolcollapse.records import ParsedTurn, ToolCall, TurnState
+
+
+def calls(task):
+    return [m.tool_call for m in task.reference if m.role == "assistant" and m.tool_call is not None]
+
+
+def results(task):
+    return [json.loads(m.content)["result"] for m in task.reference if m.role == "tool"]
+
+
+def test_generation_is_deterministic(world):
+    again = ToolWorld(world.cfg)
+    for split in SPLITS:
+        assert [(t.prompt, t.reference, t.answer) for t in again.tasks(split)] == \
+               [(t.prompt, t.reference, t.answer) for t in world.tasks(split)]
+    other = ToolWorld(WorldConfig(seed=1, n_train=50, n_test=50, n_ood=50))
+    assert [t.prompt for t in other.tasks("test")] != [t.prompt for t in world.tasks("test")][:50]
+
+
+def test_tools_are_documented_with_json_schema(world):
+    tools = world.functions.tools
+    assert len(SOLVING_TOOLS) >= 6 and len(tools) > len(SOLVING_TOOLS)  # distractors too
+    system = world.tasks("test")[0].prompt[0].content
+    for spec in tools:
+        assert json.dumps(spec.to_doc()) in system
+        assert spec.parameters["type"] == "object" and spec.required
+
+
+@pytest.mark.parametrize("split, lo, hi", [("train", 2, 5), ("test", 2, 5), ("ood_content", 2, 6),
+                                           ("ood_format", 2, 5)])
+def test_chains_are_dependent(world, split, lo, hi):
+    for task in world.tasks(split):
+        cs, rs = calls(task), results(task)
+        assert lo <= len(cs) <= hi
+        last = json.dumps(cs[-1].arguments)
+        # the last call consumes an earlier result: the model must read tool responses
+        assert any(json.dumps(r) in last for r in rs[:-1]), task.id
+
+
+def test_splits(world):
+    train_keys = {t.meta["key"] for t in world.tasks("train")}
+    assert not train_keys & {t.meta["key"] for t in world.tasks("test")}
+    assert not train_keys & {t.meta["key"] for t in world.tasks("ood_format")}
+    # content OOD: unseen entities, and some unseen compositions with longer chains
+    ood_names = {e.name for e in world.kb.entities.values() if e.pool == "ood"}
+    train_text = " ".join(t.prompt[1].content + str(t.reference) for t in world.tasks("train"))
+    assert not any(name in train_text for name in ood_names)
+    templates = {t.meta["template"] for t in world.tasks("ood_content")}
+    assert templates & set(OOD_TEMPLATES) and not set(OOD_TEMPLATES) & set(TRAIN_TEMPLATES)
+    assert max(t.meta["n_calls"] for t in world.tasks("ood_content")) == 6
+    # format OOD: other wording and tool order, same tools
+    train_system = world.tasks("train")[0].prompt[0].content
+    fmt = world.tasks("ood_format")
+    assert all(t.prompt[0].content != train_system for t in fmt)
+    assert len({t.meta["style"] for t in fmt}) == 3
+    assert len({t.prompt[0].content for t in fmt}) > 10  # shuffled orders
+
+
+@pytest.mark.parametrize("call, error", [
+    (ToolCall("kb_lookup", {"entity": "Atlantis", "attribute": "population"}), "unknown entity"),
+    (ToolCall("kb_lookup", {"entity": "X"}), "missing required 'attribute'"),
+    (ToolCall("calculator", {"operation": "divide", "a": 1, "b": 0}), "division by zero"),
+    (ToolCall("calculator", {"operation": "pow", "a": 1, "b": 2}), "must be one of"),
+    (ToolCall("convert_units", {"value": 1, "from_unit": "kg", "to_unit": "ft"}), "cannot convert"),
+    (ToolCall("date_add", {"date": "yesterday", "days": 3}), "not a date"),
+    (ToolCall("date_add", {"date": "9999-12-31", "days": 3}), "out of range"),
+    (ToolCall("aggregate", {"values": [], "function": "max"}), "at least 1"),
+    (ToolCall("teleport", {}), "unknown tool"),
+])
+def test_tool_failures_are_observations(world, call, error):
+    value, observation = world.functions.execute(call)
+    assert value is None and error in json.loads(observation)["error"]
+
+
+def test_env_turns_malformed_calls_into_error_observations(world):
+    task = world.tasks("test")[0]
+    state = world.reset(task)
+    parsed = parse_turn('<tool_call>\n{"name": "kb_lookup", "arguments": {"entity": 1}\n</tool_call>',
+                        world.tool_table)
+    assert parsed.end == "call"
+    (obs,) = world.step(state, parsed)
+    assert obs.role == "tool" and "error" in json.loads(obs.content)
+    assert world.step(state, parse_turn("The answer is nothing.<|im_end|>")) == [] and state.done
+    assert not world.success(state)
+
+
+def test_answer_matching():
+    assert answer_matches("The answer is 258.16", "258.16")
+    assert answer_matches("The answer is 1200.0.", "1200")
+    assert answer_matches("the answer is Velmora.", "Velmora")
+    assert answer_matches("The answer is 1921-03-04.", "1921-03-04")
+    assert not answer_matches("The answer is 258.17.", "258.16")
+    assert not answer_matches("The answer is", "5")
+
+
+def test_oracle_replay_through_parser_and_tools(world, tokenizer):
+    """Every split: each reference turn, parsed from its own tokens, is healthy; executing
+    the parsed call reproduces the reference observation; the final answer succeeds."""
+    encoder = PieceEncoder(tokenizer)
+    id_to_tag = {encoder.special_ids[t]: t for t in CONTROL_TAGS}
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    for split in SPLITS:
+        tasks = world.tasks(split)[:300] if split == "train" else world.tasks(split)
+        for task in tasks:
+            state = world.reset(task)
+            ref = list(task.reference)
+            for i, msg in enumerate(ref):
+                if msg.role != "assistant":
+                    continue
+                ids, _ = encoder.encode(assistant_body(msg))
+                parsed: ParsedTurn = parse_turn_ids(ids, id_to_tag, decode, state.tools)
+                assert parsed.state.healthy and parsed.errors == (), (task.id, parsed)
+                obs = world.step(state, parsed)
+                if msg.tool_call is not None:
+                    assert parsed.state == TurnState.HEALTHY_CALL and obs == [ref[i + 1]]
+                else:
+                    assert parsed.state == TurnState.HEALTHY_RESPONSE and obs == []
+            assert world.success(state), task.id
