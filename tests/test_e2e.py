@@ -28,7 +28,7 @@ def test_sft_then_eval(tmp_path, capsys):
     metrics = read_jsonl(ckpt / "metrics.jsonl")
     losses = [m["loss"] for m in metrics if "loss" in m]
     assert losses[-1] < losses[0] - 1.0  # it learns something in 25 steps
-    assert "val_loss" in metrics[-1]
+    assert {"val/loss", "val/acc_digit", "val/acc_word", "val/acc_structure"} <= set(metrics[-1])
 
     capsys.readouterr()
     assert main(["eval", str(ckpt), "--split", "ood_format", "--n", "6"]) == 0

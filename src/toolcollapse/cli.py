@@ -1,4 +1,4 @@
-"""Command line: `toolcollapse sft | eval`.
+"""Command line: `toolcollapse sft | eval | rl | world`.
 
 The CLI only parses arguments, builds the validated config and calls one library
 function; a bad config or a missing path exits with status 2 before any work.
@@ -27,6 +27,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p, required=True)
     p.add_argument("--out", help="checkpoint directory (default: <out_dir>/sft)")
 
+    p = sub.add_parser("rl", help="GRPO from a checkpoint, or continue a run with --resume")
+    _add_config_args(p, required=False)
+    p.add_argument("--init", help="checkpoint to start from (and to use as the KL reference)")
+    p.add_argument("--out", help="run directory (default: <out_dir>/rl)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+
+    p = sub.add_parser("world", help="describe the environment and replay its oracle trajectories")
+    p.add_argument("--show", type=int, default=1, help="print N example tasks of each split")
+    _add_config_args(p, required=False)
+
     p = sub.add_parser("eval", help="run the multi-turn loop on a split and score it")
     p.add_argument("checkpoint", help="checkpoint directory written by `toolcollapse sft`")
     p.add_argument("--split", choices=SPLITS, help="default: the config's eval.split (test)")
@@ -53,13 +63,57 @@ def _eval_config(args: argparse.Namespace) -> RunConfig:
     return load_config(source, overrides)
 
 
+def _rl_config(args: argparse.Namespace) -> tuple[RunConfig, Path]:
+    if args.resume:
+        if args.config or args.init:
+            raise ConfigError("--resume continues a run with its saved config; drop --config and --init")
+        run_dir = Path(args.resume)
+        from toolcollapse.rl import resume_config
+
+        cfg = resume_config(run_dir)
+        if args.overrides:
+            raise ConfigError("--resume takes no --set: the run continues with the config it started with")
+        return cfg, run_dir
+    if not args.config:
+        raise ConfigError("rl needs --config (or --resume RUN_DIR)")
+    overrides = list(args.overrides) + ([f"init={args.init}"] if args.init else [])
+    cfg = load_config(args.config, overrides)
+    if cfg.init is None:
+        raise ConfigError("rl needs a starting checkpoint: --init CHECKPOINT (or init: in the config)")
+    if not (Path(cfg.init) / "config.json").is_file():
+        raise ConfigError(f"init checkpoint not found: {cfg.init} (no config.json there)")
+    return cfg, Path(args.out) if args.out else Path(cfg.out_dir) / "rl"
+
+
+def _describe_world(cfg: RunConfig, show: int) -> None:
+    from collections import Counter
+
+    from toolcollapse.chat import render_text
+    from toolcollapse.envs import make_env
+    from toolcollapse.evaluate import replay_references
+
+    env = make_env(cfg.env, cfg.world)
+    for split in SPLITS:
+        tasks = env.tasks(split)
+        replay = replay_references(env, tasks, split)
+        calls = Counter(t.meta.get("n_calls") for t in tasks)
+        print(f"{split}: {len(tasks)} tasks, calls per task {dict(sorted(calls.items()))}; oracle replay: "
+              f"success {replay.success_rate:.1%}, healthy turns {replay.healthy_rate:.1%} "
+              f"({replay.n_turns} turns, {len(replay.failures)} failures)")
+        for task in tasks[:show]:
+            text = render_text(list(task.prompt[1:]) + list(task.reference))
+            print("    " + text.replace("\n", "\n    "))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "sft":
-            cfg = load_config(args.config, args.overrides)
-        else:
+        if args.command == "eval":
             cfg = _eval_config(args)
+        elif args.command == "rl":
+            cfg, run_dir = _rl_config(args)
+        else:
+            cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
         print(f"toolcollapse: error: {err}", file=sys.stderr)
         return 2
@@ -68,6 +122,12 @@ def main(argv: list[str] | None = None) -> int:
         from toolcollapse.sft import run_sft
 
         run_sft(cfg, args.out)
+    elif args.command == "rl":
+        from toolcollapse.rl import run_rl
+
+        run_rl(cfg, run_dir, resume=bool(args.resume))
+    elif args.command == "world":
+        _describe_world(cfg, args.show)
     elif args.command == "eval":
         from toolcollapse.evaluate import format_summary, run_eval
 

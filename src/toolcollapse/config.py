@@ -38,6 +38,8 @@ class WorldConfig:
     n_test: int = 500
     n_ood: int = 300  # tasks in each of ood_content and ood_format
     distractor_tools: bool = True  # document tools that no task needs
+    pool_scale: float = 1.0  # multiplies the entities per kind (16 countries, 60 cities, 30 mountains, ...)
+    quote_entities: bool = True  # questions write entity names in quotes, as kb_lookup takes them
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,35 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True)
+class GRPOConfig:
+    """GRPO as the paper runs it (DESIGN.md), except the learning rate, which suits the tier."""
+
+    steps: int = 100
+    prompts_per_step: int = 8
+    group_size: int = 8  # rollouts per prompt (G)
+    lr: float = 1e-4
+    schedule: Literal["cosine", "wsd", "constant"] = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 1.0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    clip_low: float = 0.2  # PPO ratio range [1 - clip_low, 1 + clip_high]
+    clip_high: float = 0.2  # raise above clip_low for DAPO's clip-higher
+    dual_clip: float | None = 3.0  # bound on -A * ratio for A < 0 (None: off)
+    kl_coef: float = 1e-4  # weight of the k3 KL to the frozen reference (0: no reference model)
+    scale_adv_by_std: bool = True  # False: Dr. GRPO
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    updates_per_batch: int = 1  # optimizer steps on each batch of rollouts
+    micro_batch_size: int = 16  # sequences per forward/backward (gradient accumulation)
+    format_reward: float = 0.0  # optional shaping: + format_reward * share of healthy turns
+    split: Split = "train"
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 2
+    samples_per_step: int = 2  # decoded rollouts written to samples.jsonl per step
+
+
+@dataclass(frozen=True)
 class EvalConfig:
     split: Split = "test"
     n_tasks: int | None = None  # None: the whole split
@@ -93,11 +124,13 @@ class RunConfig:
     out_dir: str = "runs/tiny"
     threads: int | None = None  # torch intra-op threads; None: torch's default
     env: Literal["toolworld"] = "toolworld"
+    init: str | None = None  # checkpoint RL starts from (and the frozen KL reference)
     world: WorldConfig = field(default_factory=WorldConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 

@@ -20,7 +20,9 @@ from transformers import AutoTokenizer
 from toolcollapse.config import RunConfig
 from toolcollapse.envs import make_env
 from toolcollapse.model import load_model
-from toolcollapse.parser import describe
+from toolcollapse.chat import assistant_body
+from toolcollapse.envs.base import Environment
+from toolcollapse.parser import describe, parse_turn
 from toolcollapse.records import Episode, ErrorType, Task, TurnState
 from toolcollapse.rollout import RolloutEngine, SamplingParams
 from toolcollapse.runtime import set_threads, write_jsonl
@@ -100,6 +102,42 @@ def format_summary(s: EvalSummary) -> str:
     lines.append("  finish: " + ", ".join(f"{k} {v}" for k, v in sorted(s.finish_counts.items())))
     lines.append("  success by template: " + ", ".join(f"{k} {v:.0%}" for k, v in s.success_by_template.items()))
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    split: str
+    n_tasks: int
+    success_rate: float
+    healthy_rate: float
+    n_turns: int
+    failures: tuple[str, ...]  # ids of tasks whose replay was unhealthy or unsuccessful
+
+
+def replay_references(env: Environment, tasks: Sequence[Task], split: str) -> ReplayResult:
+    """Feed each task's ground-truth assistant turns through the parser and the environment,
+    as a policy that writes exactly the reference would be: every turn should parse healthy,
+    every tool reply should equal the reference's, every episode should succeed."""
+    healthy = turns = wins = 0
+    failures = []
+    for task in tasks:
+        state = env.reset(task)
+        ok = True
+        for i, msg in enumerate(task.reference):
+            if msg.role != "assistant":
+                continue
+            parsed = parse_turn("".join(p.text for p in assistant_body(msg)), state.tools)
+            turns += 1
+            healthy += parsed.state.healthy
+            observations = env.step(state, parsed)
+            expected = list(task.reference[i + 1:i + 2]) if msg.tool_call is not None else []
+            ok &= parsed.state.healthy and observations == expected
+        success = env.success(state)
+        wins += success
+        if not (ok and success):
+            failures.append(task.id)
+    return ReplayResult(split, len(tasks), wins / max(1, len(tasks)), healthy / max(1, turns), turns,
+                        tuple(failures))
 
 
 def sampling_params(cfg: RunConfig, greedy: bool) -> SamplingParams:

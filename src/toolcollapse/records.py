@@ -123,3 +123,20 @@ class Episode:
     @property
     def states(self) -> list[TurnState]:
         return [t.parsed.state for t in self.turns]
+
+
+@dataclass
+class PolicyBatch:
+    """Rollouts as tensors for the policy update: right-padded, one row per episode."""
+
+    input_ids: "torch.Tensor"  # [N, T] long
+    target_mask: "torch.Tensor"  # [N, T] bool: the policy sampled this token (loss_mask)
+    old_logp: "torch.Tensor"  # [N, T] sampling log-prob where target_mask, else 0
+    advantages: "torch.Tensor"  # [N] one per episode, broadcast over its tokens
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def rows(self, index: slice) -> "PolicyBatch":
+        return PolicyBatch(self.input_ids[index], self.target_mask[index], self.old_logp[index],
+                           self.advantages[index])

@@ -25,11 +25,12 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from toolcollapse.chat import (ENDOFTEXT, STOP_TAGS, CONTROL_TAGS, PieceEncoder, conversation_pieces,
                                generation_prompt, message_pieces, turn_suffix)
 from toolcollapse.envs.base import Environment, EpisodeState
+from toolcollapse.kvcache import append_only_cache
 from toolcollapse.model import forward, output_cache
 from toolcollapse.parser import parse_turn_ids
 from toolcollapse.records import Episode, Task, TurnRecord
@@ -152,7 +153,7 @@ class RolloutEngine:
             ids[i, width - len(p):] = torch.tensor(p)
             attn[i, width - len(p):] = 1
         pos = (attn.cumsum(dim=1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
+        cache = append_only_cache(self.model.config)
         out = forward(self.model, ids, attn, pos, cache=cache, logits_to_keep=1)
         return output_cache(out), out.logits[:, -1], attn, attn.sum(dim=1)
 

@@ -23,7 +23,7 @@ class ToolWorld:
 
     def __init__(self, cfg: WorldConfig = WorldConfig()):
         self.cfg = cfg
-        self.kb = generate_kb(cfg.seed)
+        self.kb = generate_kb(cfg.seed, cfg.pool_scale)
         self.functions = WorldTools(self.kb, distractors=cfg.distractor_tools)
         self.tool_table = dict(self.functions.by_name)
         self._splits: dict[str, list[Task]] = {}
@@ -37,7 +37,8 @@ class ToolWorld:
             held_out = frozenset()
             if split == "train":  # no program of an in-distribution eval split is trained on
                 held_out = frozenset(t.meta["key"] for s in ("test", "ood_format") for t in self.tasks(s))
-            self._splits[split] = make_tasks(split, sizes[split], self.cfg.seed, self.kb, self.functions, held_out)
+            self._splits[split] = make_tasks(split, sizes[split], self.cfg.seed, self.kb, self.functions, held_out,
+                                             self.cfg.quote_entities)
         tasks = self._splits[split]
         return tasks if n is None else tasks[:n]
 

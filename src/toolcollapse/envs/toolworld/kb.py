@@ -127,15 +127,16 @@ class KnowledgeBase:
         return self.entities.get(name)
 
 
-def generate_kb(seed: int) -> KnowledgeBase:
-    """Two disjoint pools of entities, `main` and `ood`, deterministic in `seed`."""
+def generate_kb(seed: int, pool_scale: float = 1.0) -> KnowledgeBase:
+    """Two disjoint pools of entities, `main` and `ood`, deterministic in `seed`; `pool_scale`
+    multiplies the number of entities of each kind."""
     rng = random.Random(f"kb-{seed}")
     used: set[str] = set()
     names: dict[tuple[str, str], list[str]] = {}
     for pool in ("main", "ood"):
         for kind in KINDS:
             batch = []
-            while len(batch) < POOL_SIZES[kind]:
+            while len(batch) < max(2, round(POOL_SIZES[kind] * pool_scale)):
                 name = _name(kind, rng)
                 if name not in used and not any(name.lower() in u.lower() or u.lower() in name.lower()
                                                 for u in batch):

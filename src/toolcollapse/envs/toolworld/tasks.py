@@ -47,8 +47,12 @@ class Plan:
 class _Draw:
     """Random choices over one entity pool."""
 
-    def __init__(self, kb: KnowledgeBase, pool: str, rng: random.Random):
-        self.kb, self.pool, self.rng = kb, pool, rng
+    def __init__(self, kb: KnowledgeBase, pool: str, rng: random.Random, quote_entities: bool = True):
+        self.kb, self.pool, self.rng, self.quote = kb, pool, rng, quote_entities
+
+    def ref(self, entity: Entity) -> str:
+        """How a question names an entity: quoted, as it must be passed to kb_lookup."""
+        return f'"{entity.name}"' if self.quote else entity.name
 
     def entities(self, kind: str, n: int = 1) -> list[Entity]:
         return self.rng.sample(self.kb.pool(kind, self.pool), n)
@@ -100,7 +104,7 @@ def lookup_convert(d: _Draw) -> Plan:
     kind, a = d.attr(_convertible)
     (e,), to = d.entities(kind), d.unit_target(a.unit)
     q = d.say("What is the {p} of {e} in {u}?", "Convert the {p} of {e} to {u}.", "How many {u} is the {p} of {e}?",
-              p=a.phrase, e=e.name, u=UNIT_WORDS[to])
+              p=a.phrase, e=d.ref(e), u=UNIT_WORDS[to])
     return Plan(q, (_lookup(e.name, a), _convert(Ref(0), a.unit, to)), ("lookup_convert", e.name, a.key, to))
 
 
@@ -108,7 +112,7 @@ def relation_lookup(d: _Draw) -> Plan:
     kind, r, t = d.relation_to(lambda t: not t.relation)
     (e,) = d.entities(kind)
     q = d.say("What is the {t} of the {r} of {e}?", "Tell me the {t} of the {r} of {e}.",
-              "Find the {t} of {e}'s {r}.", t=t.phrase, r=r.phrase, e=e.name)
+              "Find the {t} of {e}'s {r}.", t=t.phrase, r=r.phrase, e=d.ref(e))
     return Plan(q, (_lookup(e.name, r), _lookup(Ref(0), t)), ("relation_lookup", e.name, r.key, t.key))
 
 
@@ -116,7 +120,7 @@ def date_shift(d: _Draw) -> Plan:
     kind, a = d.attr(_dated)
     (e,), n, after = d.entities(kind), d.rng.randint(2, 3000), d.rng.random() < 0.5
     q = d.say("What date is {n} days {w} the {p} of {e}?", "Which date falls {n} days {w} the {p} of {e}?",
-              n=n, w="after" if after else "before", p=a.phrase, e=e.name)
+              n=n, w="after" if after else "before", p=a.phrase, e=d.ref(e))
     days = n if after else -n
     return Plan(q, (_lookup(e.name, a), Step("date_add", {"date": Ref(0), "days": days})),
                 ("date_shift", e.name, a.key, days))
@@ -127,10 +131,10 @@ def _pair(d: _Draw, op: str) -> tuple[str, Attr, Entity, Entity, str]:
     x, y = d.entities(kind, 2)
     if op == "subtract":
         q = d.say("What is the {p} of {x} minus the {p} of {y}?", "By how much does the {p} of {x} exceed that of {y}?",
-                  "Subtract the {p} of {y} from the {p} of {x}.", p=a.phrase, x=x.name, y=y.name)
+                  "Subtract the {p} of {y} from the {p} of {x}.", p=a.phrase, x=d.ref(x), y=d.ref(y))
     else:
         q = d.say("What is the combined {p} of {x} and {y}?", "Add the {p} of {x} to the {p} of {y}.",
-                  "What is the sum of the {p} of {x} and the {p} of {y}?", p=a.phrase, x=x.name, y=y.name)
+                  "What is the sum of the {p} of {x} and the {p} of {y}?", p=a.phrase, x=d.ref(x), y=d.ref(y))
     return kind, a, x, y, q
 
 
@@ -152,7 +156,7 @@ def date_gap(d: _Draw) -> Plan:
     while (x.name, a1.key) == (y.name, a2.key):
         (y,) = d.entities(k2)
     q = d.say("How many days passed from the {p} of {x} to the {s} of {y}?",
-              "Count the days from the {p} of {x} to the {s} of {y}.", p=a1.phrase, x=x.name, s=a2.phrase, y=y.name)
+              "Count the days from the {p} of {x} to the {s} of {y}.", p=a1.phrase, x=d.ref(x), s=a2.phrase, y=d.ref(y))
     steps = (_lookup(x.name, a1), _lookup(y.name, a2),
              Step("date_diff", {"start_date": Ref(0), "end_date": Ref(1)}))
     return Plan(q, steps, ("date_gap", x.name, a1.key, y.name, a2.key))
@@ -162,7 +166,7 @@ def relation_convert(d: _Draw) -> Plan:
     kind, r, t = d.relation_to(lambda t: t.unit is not None)
     (e,), to = d.entities(kind), d.unit_target(t.unit)
     q = d.say("What is the {t} of the {r} of {e} in {u}?", "Convert the {t} of the {r} of {e} to {u}.",
-              t=t.phrase, r=r.phrase, e=e.name, u=UNIT_WORDS[to])
+              t=t.phrase, r=r.phrase, e=d.ref(e), u=UNIT_WORDS[to])
     return Plan(q, (_lookup(e.name, r), _lookup(Ref(0), t), _convert(Ref(1), t.unit, to)),
                 ("relation_convert", e.name, r.key, t.key, to))
 
@@ -170,7 +174,7 @@ def relation_convert(d: _Draw) -> Plan:
 def _aggregate_over(d: _Draw, n: int, function: str, name: str) -> Plan:
     kind, a = d.attr(_numeric)
     es = d.entities(kind, n)
-    names = ", ".join(e.name for e in es[:-1]) + " and " + es[-1].name
+    names = ", ".join(d.ref(e) for e in es[:-1]) + " and " + d.ref(es[-1])
     word = {"max": "largest", "min": "smallest", "mean": "average", "sum": "total"}[function]
     q = d.say("What is the {w} {p} among {names}?", "Among {names}, what is the {w} {p}?",
               w=word, p=a.phrase, names=names)
@@ -192,7 +196,7 @@ def total_convert(d: _Draw) -> Plan:
     x, y = d.entities(kind, 2)
     to = d.unit_target(a.unit)
     q = d.say("What is the combined {p} of {x} and {y} in {u}?", "Add the {p} of {x} and {y} and give it in {u}.",
-              p=a.phrase, x=x.name, y=y.name, u=UNIT_WORDS[to])
+              p=a.phrase, x=d.ref(x), y=d.ref(y), u=UNIT_WORDS[to])
     steps = (_lookup(x.name, a), _lookup(y.name, a), _calc("add", Ref(0), Ref(1)), _convert(Ref(2), a.unit, to))
     return Plan(q, steps, ("total_convert", x.name, y.name, a.key, to))
 
@@ -202,7 +206,7 @@ def relation_difference(d: _Draw) -> Plan:
     x, y = d.entities(kind, 2)
     q = d.say("What is the {t} of the {r} of {x} minus the {t} of the {r} of {y}?",
               "By how much does the {t} of the {r} of {x} exceed that of the {r} of {y}?",
-              t=t.phrase, r=r.phrase, x=x.name, y=y.name)
+              t=t.phrase, r=r.phrase, x=d.ref(x), y=d.ref(y))
     steps = (_lookup(x.name, r), _lookup(Ref(0), t), _lookup(y.name, r), _lookup(Ref(2), t),
              _calc("subtract", Ref(1), Ref(3)))
     return Plan(q, steps, ("relation_difference", x.name, y.name, r.key, t.key))
@@ -214,7 +218,7 @@ def relation_difference(d: _Draw) -> Plan:
 def relation_date_shift(d: _Draw) -> Plan:
     kind, r, t = d.relation_to(lambda t: t.type == "date")
     (e,), n = d.entities(kind), d.rng.randint(2, 3000)
-    q = d.say("What date is {n} days after the {t} of the {r} of {e}?", t=t.phrase, r=r.phrase, e=e.name, n=n)
+    q = d.say("What date is {n} days after the {t} of the {r} of {e}?", t=t.phrase, r=r.phrase, e=d.ref(e), n=n)
     steps = (_lookup(e.name, r), _lookup(Ref(0), t), Step("date_add", {"date": Ref(1), "days": n}))
     return Plan(q, steps, ("relation_date_shift", e.name, r.key, t.key, n))
 
@@ -223,7 +227,7 @@ def difference_convert(d: _Draw) -> Plan:
     kind, a = d.attr(_convertible)
     x, y = d.entities(kind, 2)
     to = d.unit_target(a.unit)
-    q = d.say("What is the {p} of {x} minus the {p} of {y}, in {u}?", p=a.phrase, x=x.name, y=y.name,
+    q = d.say("What is the {p} of {x} minus the {p} of {y}, in {u}?", p=a.phrase, x=d.ref(x), y=d.ref(y),
               u=UNIT_WORDS[to])
     steps = (_lookup(x.name, a), _lookup(y.name, a), _calc("subtract", Ref(0), Ref(1)), _convert(Ref(2), a.unit, to))
     return Plan(q, steps, ("difference_convert", x.name, y.name, a.key, to))
@@ -234,7 +238,7 @@ def two_hop(d: _Draw) -> Plan:
                for r2 in SCHEMA[r1.type] if r2.relation for t in SCHEMA[r2.type] if not t.relation]
     kind, r1, r2, t = d.rng.choice(options)
     (e,) = d.entities(kind)
-    q = d.say("What is the {t} of the {r2} of the {r1} of {e}?", t=t.phrase, r2=r2.phrase, r1=r1.phrase, e=e.name)
+    q = d.say("What is the {t} of the {r2} of the {r1} of {e}?", t=t.phrase, r2=r2.phrase, r1=r1.phrase, e=d.ref(e))
     steps = (_lookup(e.name, r1), _lookup(Ref(0), r2), _lookup(Ref(1), t))
     return Plan(q, steps, ("two_hop", e.name, r1.key, r2.key, t.key))
 
@@ -248,7 +252,7 @@ def relation_total_convert(d: _Draw) -> Plan:
     x, y = d.entities(kind, 2)
     to = d.unit_target(t.unit)
     q = d.say("What is the combined {t} of the {r} of {x} and the {r} of {y} in {u}?",
-              t=t.phrase, r=r.phrase, x=x.name, y=y.name, u=UNIT_WORDS[to])
+              t=t.phrase, r=r.phrase, x=d.ref(x), y=d.ref(y), u=UNIT_WORDS[to])
     steps = (_lookup(x.name, r), _lookup(Ref(0), t), _lookup(y.name, r), _lookup(Ref(2), t),
              _calc("add", Ref(1), Ref(3)), _convert(Ref(4), t.unit, to))
     return Plan(q, steps, ("relation_total_convert", x.name, y.name, r.key, t.key, to))
@@ -311,10 +315,10 @@ RECIPES: dict[str, SplitRecipe] = {
 
 
 def make_tasks(split: str, n: int, seed: int, kb: KnowledgeBase, tools: WorldTools,
-               exclude: frozenset[tuple] = frozenset()) -> list[Task]:
+               exclude: frozenset[tuple] = frozenset(), quote_entities: bool = True) -> list[Task]:
     recipe = RECIPES[split]
     rng = random.Random(f"tasks-{seed}-{split}")
-    draw = _Draw(kb, recipe.pool, rng)
+    draw = _Draw(kb, recipe.pool, rng, quote_entities)
     prompts: dict[tuple, str] = {}
     tasks: list[Task] = []
     seen: set[tuple] = set()

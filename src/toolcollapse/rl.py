@@ -1,0 +1,275 @@
+"""Multi-turn GRPO (arXiv 2402.03300) on tool use, with the paper's settings as defaults.
+
+One step:
+  1. take the next `prompts_per_step` tasks and sample G rollouts of each with the
+     KV-cached, token-in/token-out engine (rollout.py);
+  2. reward 1 if the task is solved, else 0 (rewards.py); group-normalised
+     advantages, with or without the std division (advantages.py);
+  3. forward the policy over the rollouts' exact tokens -- the shared system prompt
+     once -- and minimise the clipped surrogate with dual clip on the sampled tokens
+     only (tool output and template tokens are masked), plus beta * k3 KL to the
+     frozen initial model (losses.py), token-mean over the batch;
+  4. clip the gradient norm; a non-finite loss or norm skips the step, never the weights.
+
+Departures from the paper (arXiv 2606.26027, verl): the old log-probs are the ones
+recorded at sampling time (temperature 1, no top-p, so they are the policy's own up
+to float error) instead of a second forward pass; the learning rate defaults to a
+value for the tiny tier, not 1e-6.
+
+The run directory holds `config.yaml`, `metrics.jsonl` (one line per step),
+`samples.jsonl` (decoded rollouts), TensorBoard events in `tb/`, and checkpoints that
+`--resume` continues from exactly (same seed: the same metrics as an uninterrupted run).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from transformers import AutoTokenizer
+
+from toolcollapse.advantages import group_advantages
+from toolcollapse.checkpoint import complete_checkpoints, load_trainer_state, save_checkpoint
+from toolcollapse.config import RunConfig, dump_config, load_config
+from toolcollapse.envs import make_env
+from toolcollapse.evaluate import sampling_params
+from toolcollapse.losses import aggregate, kl_k3, ppo_clip_loss
+from toolcollapse.model import load_model, logits_at, shared_prefix_len
+from toolcollapse.optim import lr_at, make_optimizer, set_lr
+from toolcollapse.records import Episode, ErrorType, PolicyBatch, Task, TurnState
+from toolcollapse.rewards import rewards_tensor
+from toolcollapse.rollout import RolloutEngine
+from toolcollapse.runtime import append_jsonl, progress, seed_everything, set_threads
+
+RUN_CONFIG = "config.yaml"
+
+
+# ----------------------------------------------------------------------------- tensors
+
+
+def build_batch(episodes: Sequence[Episode], advantages: torch.Tensor, pad_id: int) -> PolicyBatch:
+    width = max(len(ep.tokens) for ep in episodes)
+    n = len(episodes)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.bool)
+    old = torch.zeros((n, width), dtype=torch.float32)
+    for i, ep in enumerate(episodes):
+        t = len(ep.tokens)
+        ids[i, :t] = torch.tensor(ep.tokens)
+        mask[i, :t] = torch.tensor(ep.loss_mask, dtype=torch.bool)
+        old[i, :t] = torch.tensor(ep.logprobs)
+    return PolicyBatch(ids, mask, old, advantages.float())
+
+
+def policy_logprobs(model: Any, batch: PolicyBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob and entropy of the policy at every sampled token, [M] each, row-major."""
+    select = torch.zeros_like(batch.target_mask)
+    select[:, :-1] = batch.target_mask[:, 1:]  # the position before a sampled token predicts it
+    firsts = [int(row.nonzero()[0]) if row.any() else row.numel() for row in batch.target_mask]
+    prefix = shared_prefix_len([r.tolist() for r in batch.input_ids], firsts)
+    logits = logits_at(model, batch.input_ids, select, prefix).float()  # [M, V]
+    logp_all = torch.log_softmax(logits, dim=-1)
+    targets = batch.input_ids[batch.target_mask]  # [M]
+    logp = logp_all.gather(1, targets[:, None]).squeeze(1)
+    entropy = -(logp_all.exp() * logp_all).sum(dim=-1)
+    return logp, entropy
+
+
+# ----------------------------------------------------------------------------- one update
+
+
+@dataclass
+class UpdateStats:
+    loss: float
+    pg_loss: float
+    kl_ref: float  # mean k3 KL(policy || reference) over sampled tokens
+    approx_kl_old: float  # mean 0.5 * (log ratio)^2 against the sampling policy
+    entropy: float  # mean entropy of the policy at sampled positions
+    clip_frac_low: float
+    clip_frac_high: float
+    dual_clip_frac: float
+    ratio_max: float
+    grad_norm: float
+    skipped_nonfinite: int  # 1 when the step was skipped (non-finite loss or grad norm)
+
+
+def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torch.optim.Optimizer,
+                batch: PolicyBatch, cfg: Any) -> UpdateStats:
+    """One optimizer step over the whole batch, in micro-batches (gradient accumulation)."""
+    n_tokens, n_seqs = int(batch.target_mask.sum()), len(batch)
+    sums: Counter[str] = Counter()
+    finite = True
+    for k, start in enumerate(range(0, n_seqs, cfg.micro_batch_size)):
+        mb = batch.rows(slice(start, start + cfg.micro_batch_size))
+        logp, entropy = policy_logprobs(model, mb)
+        old = mb.old_logp[mb.target_mask]
+        seq_ids = mb.target_mask.nonzero()[:, 0]  # [M] row of each sampled token
+        adv = mb.advantages[seq_ids]
+        pg, pg_stats = ppo_clip_loss(logp, old, adv, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
+        per_token = pg
+        kl = torch.zeros_like(logp)
+        if ref_logp is not None:
+            kl = kl_k3(logp, ref_logp[k])
+            per_token = pg + cfg.kl_coef * kl
+        loss = aggregate(per_token, seq_ids, cfg.loss_agg, n_tokens, n_seqs)
+        finite &= bool(torch.isfinite(loss))
+        if finite:
+            loss.backward()
+        m = logp.numel()
+        with torch.no_grad():
+            sums["loss"] += loss.item()
+            sums["pg_loss"] += aggregate(pg, seq_ids, cfg.loss_agg, n_tokens, n_seqs).item()
+            sums["kl_ref"] += kl.sum().item()
+            sums["approx_kl_old"] += (0.5 * (logp - old) ** 2).sum().item()
+            sums["entropy"] += entropy.sum().item()
+            for name in ("clip_frac_low", "clip_frac_high", "dual_clip_frac"):
+                sums[name] += getattr(pg_stats, name) * m
+            sums["ratio_max"] = max(sums["ratio_max"], pg_stats.ratio_max)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)) if finite else math.nan
+    skipped = not (finite and math.isfinite(grad_norm))
+    if not skipped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    per_tok = lambda key: sums[key] / max(1, n_tokens)  # noqa: E731
+    return UpdateStats(loss=sums["loss"], pg_loss=sums["pg_loss"], kl_ref=per_tok("kl_ref"),
+                       approx_kl_old=per_tok("approx_kl_old"), entropy=per_tok("entropy"),
+                       clip_frac_low=per_tok("clip_frac_low"), clip_frac_high=per_tok("clip_frac_high"),
+                       dual_clip_frac=per_tok("dual_clip_frac"), ratio_max=sums["ratio_max"],
+                       grad_norm=grad_norm, skipped_nonfinite=int(skipped))
+
+
+@torch.no_grad()
+def reference_logprobs(ref_model: Any, batch: PolicyBatch, micro_batch_size: int) -> list[torch.Tensor]:
+    return [policy_logprobs(ref_model, batch.rows(slice(s, s + micro_batch_size)))[0]
+            for s in range(0, len(batch), micro_batch_size)]
+
+
+# ----------------------------------------------------------------------------- rollout statistics
+
+
+def rollout_stats(episodes: Sequence[Episode]) -> dict[str, float]:
+    turns = [t for ep in episodes for t in ep.turns]
+    n_turns = max(1, len(turns))
+    states = Counter(t.parsed.state for t in turns)
+    errors = Counter(e for t in turns for e in t.parsed.errors)
+    out = {
+        "success": sum(ep.success for ep in episodes) / len(episodes),
+        "healthy_rate": sum(states[s] for s in TurnState if s.healthy) / n_turns,
+        "turns_per_episode": len(turns) / len(episodes),
+        "response_tokens": sum(sum(ep.loss_mask) for ep in episodes) / len(episodes),
+    }
+    out.update({f"state/{s.value}": states[s] / n_turns for s in TurnState})
+    out.update({f"error/{e.value}": errors[e] / n_turns for e in ErrorType})
+    out.update({f"finish/{k}": v / len(episodes) for k, v in Counter(ep.finish for ep in episodes).items()})
+    return out
+
+
+def sample_records(step: int, episodes: Sequence[Episode], rewards: torch.Tensor, decode, n: int):
+    for ep, r in list(zip(episodes, rewards.tolist()))[:n]:
+        yield {"step": step, "task_id": ep.task_id, "reward": r, "finish": ep.finish,
+               "states": [s.value for s in ep.states],
+               "text": decode(ep.tokens[ep.prompt_len:])}
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def task_order(tasks: Sequence[Task], seed: int) -> list[Task]:
+    g = torch.Generator().manual_seed(seed)
+    return [tasks[i] for i in torch.randperm(len(tasks), generator=g).tolist()]
+
+
+def tasks_for_step(order: Sequence[Task], step: int, n: int) -> list[Task]:
+    start = (step * n) % len(order)
+    return [order[(start + i) % len(order)] for i in range(n)]
+
+
+def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False) -> Path:
+    """Train from `cfg.init` (or continue the run in `run_dir`)."""
+    run_dir = Path(run_dir)
+    g = cfg.grpo
+    set_threads(cfg.threads)
+    seed_everything(cfg.seed)
+    done = complete_checkpoints(run_dir) if resume else []
+    source = done[-1] if done else Path(cfg.init)
+    model = load_model(source)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    ref_model = load_model(cfg.init).eval() if g.kl_coef > 0 else None
+    optimizer = make_optimizer(model, g.lr, g.weight_decay, g.betas)
+    start = load_trainer_state(done[-1], optimizer) if done else 0
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_config(cfg, run_dir / RUN_CONFIG)
+    _truncate_logs(run_dir, start)
+    writer = _tensorboard(run_dir, start)
+
+    env = make_env(cfg.env, cfg.world)
+    order = task_order(env.tasks(g.split), cfg.seed)
+    engine = RolloutEngine(model, tokenizer, env)
+    params = sampling_params(cfg, greedy=False)
+    bar = progress(g.steps, "rl", initial=start)
+    model.train()
+    for step in range(start, g.steps):
+        t0 = time.time()
+        tasks = tasks_for_step(order, step, g.prompts_per_step)
+        episodes = engine.generate(tasks, params, group_size=g.group_size, seed=cfg.seed * 1_000_003 + step)
+        rewards = rewards_tensor(episodes, g.format_reward)
+        advantages, adv_stats = group_advantages(rewards, g.group_size, g.scale_adv_by_std)
+        batch = build_batch(episodes, advantages, tokenizer.pad_token_id)
+        ref_logp = reference_logprobs(ref_model, batch, g.micro_batch_size) if ref_model is not None else None
+        lr = lr_at(step, g.lr, g.warmup_steps, g.steps, g.min_lr_ratio, g.schedule)
+        set_lr(optimizer, lr)
+        updates = [grpo_update(model, ref_logp, optimizer, batch, g) for _ in range(g.updates_per_batch)]
+
+        metrics = {"step": step, "lr": lr, **asdict(adv_stats), **asdict(updates[-1]),
+                   "skipped_nonfinite": sum(u.skipped_nonfinite for u in updates),
+                   **rollout_stats(episodes), "seconds": time.time() - t0}
+        _log(run_dir, writer, metrics, sample_records(step, episodes, rewards, engine.decode, g.samples_per_step))
+        bar.update(1)
+        bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", healthy=f"{metrics['healthy_rate']:.2f}",
+                        informative=f"{metrics['frac_groups_informative']:.2f}", refresh=False)
+        if (step + 1) % g.checkpoint_every == 0 or step + 1 == g.steps:
+            save_checkpoint(run_dir, step + 1, model, tokenizer, optimizer,
+                            lambda p: dump_config(cfg, p / "toolcollapse.yaml"), g.keep_checkpoints)
+    bar.close()
+    writer.close()
+    return run_dir
+
+
+def resume_config(run_dir: Path) -> RunConfig:
+    path = Path(run_dir) / RUN_CONFIG
+    if not path.is_file():
+        from toolcollapse.config import ConfigError
+
+        raise ConfigError(f"{run_dir} is not a run directory (no {RUN_CONFIG})")
+    return load_config(path)
+
+
+def _truncate_logs(run_dir: Path, start: int) -> None:
+    """Drop log lines of steps at or after `start`: a resumed run rewrites them."""
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        path = run_dir / name
+        if path.is_file():
+            keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < start]
+            path.write_text("".join(line + "\n" for line in keep))
+
+
+def _tensorboard(run_dir: Path, start: int):
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(str(run_dir / "tb"), purge_step=start if start else None)
+
+
+def _log(run_dir: Path, writer, metrics: dict[str, float], samples) -> None:
+    append_jsonl(run_dir / "metrics.jsonl", metrics)
+    for record in samples:
+        append_jsonl(run_dir / "samples.jsonl", record)
+    for key, value in metrics.items():
+        if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+            writer.add_scalar(key, value, metrics["step"])
+    writer.flush()

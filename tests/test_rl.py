@@ -1,0 +1,158 @@
+"""GRPO: batches, the update, the non-finite guard, and exact resume after SIGKILL."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from toolcollapse.config import GRPOConfig, RunConfig, WorldConfig, dump_config
+from toolcollapse.records import PolicyBatch
+from toolcollapse.rl import build_batch, grpo_update, policy_logprobs
+from toolcollapse.rollout import RolloutEngine, SamplingParams
+
+TIMING_KEYS = {"seconds"}
+
+
+@pytest.fixture(scope="module")
+def rollouts(tiny_model, tokenizer, world):
+    engine = RolloutEngine(tiny_model, tokenizer, world)
+    eps = engine.generate(world.tasks("train")[:2], SamplingParams(max_turns=2, max_new_tokens=12), group_size=3)
+    return eps
+
+
+def test_batch_logprobs_match_the_sampling_logprobs(tiny_model, tokenizer, rollouts):
+    batch = build_batch(rollouts, torch.zeros(len(rollouts)), tokenizer.pad_token_id)
+    assert batch.input_ids.shape[0] == 6 and int(batch.target_mask.sum()) == sum(sum(e.loss_mask) for e in rollouts)
+    with torch.no_grad():
+        logp, entropy = policy_logprobs(tiny_model, batch)
+    torch.testing.assert_close(logp, batch.old_logp[batch.target_mask], atol=2e-4, rtol=0)
+    assert (entropy > 0).all()
+
+
+def _params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_all_equal_rewards_move_nothing_without_kl(tiny_model, tokenizer, rollouts):
+    model = __import__("copy").deepcopy(tiny_model).train()
+    batch = build_batch(rollouts, torch.zeros(len(rollouts)), tokenizer.pad_token_id)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    before = _params(model)
+    stats = grpo_update(model, None, opt, batch, GRPOConfig(kl_coef=0.0, micro_batch_size=4))
+    assert stats.pg_loss == 0.0 and stats.grad_norm == 0.0 and stats.skipped_nonfinite == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, _params(model)))
+
+
+def test_adam_momentum_moves_weights_even_when_every_advantage_is_zero(tiny_model, tokenizer, rollouts):
+    """Why collapse can lock in: once every group is all-0 (or all-1), the gradient is 0,
+    but Adam's first moment from earlier steps keeps pushing the weights."""
+    model = __import__("copy").deepcopy(tiny_model).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    cfg = GRPOConfig(kl_coef=0.0, micro_batch_size=6)
+    grpo_update(model, None, opt, build_batch(rollouts, torch.tensor([1.0, -1, 0, 0, 0, 0]),
+                                              tokenizer.pad_token_id), cfg)
+    before = _params(model)
+    stats = grpo_update(model, None, opt, build_batch(rollouts, torch.zeros(6), tokenizer.pad_token_id), cfg)
+    assert stats.grad_norm == 0.0
+    assert not all(torch.equal(a, b) for a, b in zip(before, _params(model)))
+
+
+def test_nonzero_advantages_move_the_policy_in_the_right_direction(tiny_model, tokenizer, rollouts):
+    model = __import__("copy").deepcopy(tiny_model).train()
+    adv = torch.tensor([1.0, -1.0, 0.0, 0.0, 0.0, 0.0])
+    batch = build_batch(rollouts, adv, tokenizer.pad_token_id)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.no_grad():
+        before = policy_logprobs(model, batch)[0]
+    grpo_update(model, None, opt, batch, GRPOConfig(kl_coef=0.0, micro_batch_size=2))
+    with torch.no_grad():
+        after = policy_logprobs(model, batch)[0]
+    rows = batch.target_mask.nonzero()[:, 0]
+    assert (after - before)[rows == 0].sum() > 0 > (after - before)[rows == 1].sum()
+
+
+def test_micro_batches_sum_to_the_full_batch_gradient(tiny_model, tokenizer, rollouts):
+    adv = torch.tensor([1.0, -0.5, 0.2, -1.0, 0.3, 0.0])
+    batch = build_batch(rollouts, adv, tokenizer.pad_token_id)
+    grads = []
+    for mb in (6, 1):
+        model = __import__("copy").deepcopy(tiny_model).train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        orig_step = opt.step
+        captured = {}
+        opt.step = lambda: captured.setdefault("g", [p.grad.clone() for p in model.parameters()]) and orig_step()
+        grpo_update(model, None, opt, batch, GRPOConfig(kl_coef=0.0, micro_batch_size=mb, grad_clip=1e9))
+        grads.append(captured["g"])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+
+
+def test_nonfinite_guard_skips_the_step(tiny_model, tokenizer, rollouts):
+    model = __import__("copy").deepcopy(tiny_model).train()
+    batch = build_batch(rollouts, torch.tensor([float("nan"), 1, 0, 0, 0, 0]), tokenizer.pad_token_id)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = _params(model)
+    stats = grpo_update(model, None, opt, batch, GRPOConfig(kl_coef=0.0, micro_batch_size=6))
+    assert stats.skipped_nonfinite == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, _params(model)))
+    assert all(p.grad is None for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+@pytest.fixture(scope="module")
+def init_checkpoint(tmp_path_factory, tiny_model, tokenizer):
+    path = tmp_path_factory.mktemp("init")
+    tiny_model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _rl_config(tmp_path, init):
+    cfg = RunConfig(
+        seed=3, init=str(init), world=WorldConfig(n_train=40, n_test=4, n_ood=4),
+        grpo=GRPOConfig(steps=5, prompts_per_step=2, group_size=2, lr=1e-3, micro_batch_size=2,
+                        checkpoint_every=2, kl_coef=1e-3, samples_per_step=1),
+    )
+    cfg = __import__("dataclasses").replace(cfg, rollout=__import__("dataclasses").replace(
+        cfg.rollout, max_turns=2, max_new_tokens=12))
+    path = tmp_path / "rl.yaml"
+    dump_config(cfg, path)
+    return path
+
+
+def _metrics(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
+
+
+@pytest.mark.slow
+def test_sigkill_and_resume_reproduce_an_uninterrupted_run(tmp_path, init_checkpoint):
+    config = _rl_config(tmp_path, init_checkpoint)
+    cmd = [sys.executable, "-m", "toolcollapse.cli", "rl", "--config", str(config)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    subprocess.run(cmd + ["--out", str(tmp_path / "full"), "--set", "threads=1"], check=True, env=env,
+                   capture_output=True)
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(cmd + ["--out", str(killed), "--set", "threads=1"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker = killed / "checkpoints" / "step_000002" / "COMPLETE"
+    deadline = time.time() + 120
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert marker.exists()
+    assert not (killed / "checkpoints" / "step_000005").exists()  # it really was cut short
+    subprocess.run([sys.executable, "-m", "toolcollapse.cli", "rl", "--resume", str(killed)], check=True, env=env,
+                   capture_output=True)
+    full, resumed = _metrics(tmp_path / "full"), _metrics(killed)
+    assert [m["step"] for m in resumed] == list(range(5))
+    assert resumed == full
