@@ -8,7 +8,7 @@ from toolcollapse.chat import PieceEncoder
 from toolcollapse.losses import sft_loss
 from toolcollapse.model import logits_at, shared_prefix_len
 from toolcollapse.optim import lr_at
-from toolcollapse.sft import collate, encode_tasks, length_grouped_batches, token_kinds
+from toolcollapse.sft import collate, encode_first_calls, encode_tasks, length_grouped_batches, token_kinds
 
 
 def test_sft_loss_hand_computed():
@@ -49,6 +49,19 @@ def test_shared_prefix_forward_equals_plain_forward(world, tokenizer, tiny_model
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     tiny_model.zero_grad()
+
+
+def test_copy_warmup_examples_are_question_and_first_call(world, tokenizer):
+    task = world.tasks("train")[0]
+    encoder = PieceEncoder(tokenizer)
+    (ids, mask), = encode_first_calls(encoder, [task])
+    (full_ids, full_mask), = encode_tasks(encoder, [task])
+    text = tokenizer.decode(ids)
+    assert task.prompt[-1].content in text and "system" not in text  # no system prompt
+    assert text.count("<tool_call>") == 1 and "<tool_response>" not in text
+    trained = [t for t, m in zip(ids, mask) if m]
+    first_call = [t for t, m in zip(full_ids, full_mask) if m][:len(trained)]
+    assert trained == first_call  # the same targets as the first assistant turn of the full conversation
 
 
 def test_lr_schedules():

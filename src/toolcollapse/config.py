@@ -70,6 +70,10 @@ class SFTConfig:
     log_every: int = 10
     val_every: int = 200  # validation loss and per-kind accuracy on held-out oracle conversations
     group_by_length: bool = False  # batches of similar lengths: 3 % padding instead of 29 %, but slower learning (LOG)
+    # Copy warm-up (LOG 2026-12-02): a first phase on the user question and the first call only, without the
+    # system prompt, where a tiny model learns to copy names out of the question; then `steps` on full tasks.
+    copy_warmup_steps: int = 0
+    copy_warmup_batch_size: int = 64
 
 
 @dataclass(frozen=True)

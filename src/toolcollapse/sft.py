@@ -7,6 +7,12 @@ or answer and its stop token), never the prompt, tool results or template tokens
 The checkpoint is a standard `save_pretrained` directory plus `toolcollapse.yaml`
 (the resolved config) and `metrics.jsonl`.
 
+With `sft.copy_warmup_steps`, training starts with a copy warm-up: batches of the
+user question and the first call only, without the ~650-token system prompt, where
+a tiny model learns to copy entity names out of the question (it does not within the
+budget when every example carries the system prompt; docs/LOG.md); the main phase
+then trains on full conversations.
+
 Validation reports accuracy by kind of target token, because a tiny model learns
 the format long before it learns to copy: `digit` (digits of values copied from tool
 results), `word` (a word that occurs earlier in the question or a tool result:
@@ -39,6 +45,11 @@ TOKEN_KINDS = ("digit", "word", "structure")
 
 def encode_tasks(encoder: PieceEncoder, tasks: Sequence[Task]) -> list[Example]:
     return [encoder.encode_conversation(list(t.prompt) + list(t.reference)) for t in tasks]
+
+
+def encode_first_calls(encoder: PieceEncoder, tasks: Sequence[Task]) -> list[Example]:
+    """The copy warm-up's examples: each task's user question and first assistant turn, no system prompt."""
+    return [encoder.encode_conversation([t.prompt[-1], t.reference[0]]) for t in tasks]
 
 
 def collate(examples: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,33 +149,42 @@ def run_sft(cfg: RunConfig, out_dir: str | Path | None = None) -> Path:
     model = build_model(cfg.model.preset, len(tokenizer), cfg.model.max_seq_len, tokenizer.pad_token_id,
                         tokenizer.eos_token_id, cfg.seed)
     model.train()
-    optimizer = make_optimizer(model, sc.lr, sc.weight_decay, sc.betas)
     print(f"sft: {cfg.model.preset} model, {n_params(model) / 1e6:.2f} M params, vocab {len(tokenizer)}, "
           f"{len(train)} conversations (mean {sum(len(x) for x, _ in train) / len(train):.0f} tokens), "
+          f"{sc.copy_warmup_steps} copy warm-up steps x {sc.copy_warmup_batch_size} + "
           f"{sc.steps} steps x {sc.batch_size}; setup {time.time() - t0:.1f}s")
-
-    batches = length_grouped_batches(train, sc.batch_size, random.Random(cfg.seed),
-                                     group=16 if sc.group_by_length else 1)
-    bar = progress(sc.steps, "sft")
-    for step in range(sc.steps):
-        lr = lr_at(step, sc.lr, sc.warmup_steps, sc.steps, sc.min_lr_ratio, sc.schedule, sc.decay_frac)
-        set_lr(optimizer, lr)
-        logits, targets = batch_logits(model, next(batches), tokenizer.pad_token_id)
-        loss, stats = sft_loss(logits, targets)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), sc.grad_clip).item()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        bar.update(1)
-        bar.set_postfix(loss=f"{stats.loss:.3f}", acc=f"{stats.accuracy:.3f}", lr=f"{lr:.1e}", refresh=False)
-        record: dict[str, Any] = {}
-        if step % sc.log_every == 0 or step == sc.steps - 1:
-            record = {"loss": stats.loss, "accuracy": stats.accuracy, "lr": lr, "grad_norm": grad_norm}
-        if (step + 1) % sc.val_every == 0 or step == sc.steps - 1:
-            record.update(validate(model, val, val_kinds, tokenizer.pad_token_id, sc.batch_size))
-        if record:
-            append_jsonl(out / "metrics.jsonl", {"step": step, **record, "elapsed_s": round(time.time() - t0, 2)})
-    bar.close()
+    rng = random.Random(cfg.seed)
+    phases = []
+    if sc.copy_warmup_steps > 0:
+        first_calls = encode_first_calls(encoder, env.tasks("train")[:sc.copy_warmup_steps * sc.copy_warmup_batch_size])
+        phases.append(("copy warm-up", first_calls, sc.copy_warmup_steps, sc.copy_warmup_batch_size))
+    phases.append(("sft", train, sc.steps, sc.batch_size))
+    done = 0
+    for name, examples, steps, batch_size in phases:
+        batches = length_grouped_batches(examples, batch_size, rng, group=16 if sc.group_by_length else 1)
+        optimizer = make_optimizer(model, sc.lr, sc.weight_decay, sc.betas)  # each phase: fresh moments, own schedule
+        bar = progress(steps, name)
+        for step in range(steps):
+            lr = lr_at(step, sc.lr, sc.warmup_steps, steps, sc.min_lr_ratio, sc.schedule, sc.decay_frac)
+            set_lr(optimizer, lr)
+            logits, targets = batch_logits(model, next(batches), tokenizer.pad_token_id)
+            loss, stats = sft_loss(logits, targets)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), sc.grad_clip).item()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            bar.update(1)
+            bar.set_postfix(loss=f"{stats.loss:.3f}", acc=f"{stats.accuracy:.3f}", lr=f"{lr:.1e}", refresh=False)
+            record: dict[str, Any] = {}
+            if step % sc.log_every == 0 or step == steps - 1:
+                record = {"loss": stats.loss, "accuracy": stats.accuracy, "lr": lr, "grad_norm": grad_norm}
+            if (step + 1) % sc.val_every == 0 or step == steps - 1:
+                record.update(validate(model, val, val_kinds, tokenizer.pad_token_id, sc.batch_size))
+            if record:
+                append_jsonl(out / "metrics.jsonl", {"step": done + step, "phase": name, **record,
+                                                     "elapsed_s": round(time.time() - t0, 2)})
+        bar.close()
+        done += steps
 
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
