@@ -15,7 +15,7 @@ from toolcollapse.records import PolicyBatch
 from toolcollapse.rl import build_batch, grpo_update, policy_logprobs
 from toolcollapse.rollout import RolloutEngine, SamplingParams
 
-TIMING_KEYS = {"seconds"}
+TIMING_KEYS = {"seconds", "seconds_probe", "seconds_rollout", "seconds_update"}
 
 
 @pytest.fixture(scope="module")

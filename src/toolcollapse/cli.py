@@ -1,4 +1,4 @@
-"""Command line: `toolcollapse sft | eval | rl | world`.
+"""Command line: `toolcollapse sft | eval | rl | sweep | world`.
 
 The CLI only parses arguments, builds the validated config and calls one library
 function; a bad config or a missing path exits with status 2 before any work.
@@ -32,6 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init", help="checkpoint to start from (and to use as the KL reference)")
     p.add_argument("--out", help="run directory (default: <out_dir>/rl)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+
+    p = sub.add_parser("sweep", help="run a sweep file (settings x seeds) and print the collapse table")
+    p.add_argument("sweep_file", help="sweep YAML (see configs/study/)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a sweep field, e.g. --set workers=1")
+    p.add_argument("--summary-only", action="store_true", help="print the table of the runs already there")
 
     p = sub.add_parser("world", help="describe the environment and replay its oracle trajectories")
     p.add_argument("--show", type=int, default=1, help="print N example tasks of each split")
@@ -112,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
             cfg = _eval_config(args)
         elif args.command == "rl":
             cfg, run_dir = _rl_config(args)
+        elif args.command == "sweep":
+            from toolcollapse.sweep import load_sweep
+
+            sweep, specs = load_sweep(args.sweep_file, args.overrides)
         else:
             cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
@@ -126,6 +136,12 @@ def main(argv: list[str] | None = None) -> int:
         from toolcollapse.rl import run_rl
 
         run_rl(cfg, run_dir, resume=bool(args.resume))
+    elif args.command == "sweep":
+        from toolcollapse.sweep import format_table, run_sweep, summarize_runs
+
+        if not args.summary_only:
+            run_sweep(sweep, specs)
+        print(format_table(summarize_runs(sweep, specs)))
     elif args.command == "world":
         _describe_world(cfg, args.show)
     elif args.command == "eval":

@@ -115,6 +115,16 @@ class GRPOConfig:
 
 
 @dataclass(frozen=True)
+class MonitorConfig:
+    """Control-token statistics (monitor.py)."""
+
+    probe_every: int = 2  # teacher-force the probe set every N RL steps (0: never)
+    probe_size: int = 32  # oracle conversations of the training split in the probe set
+    control_tokens: tuple[str, ...] = ("<tool_call>", "</tool_call>", "<|im_end|>", "<|im_start|>",
+                                       "<tool_response>")
+
+
+@dataclass(frozen=True)
 class EvalConfig:
     split: Split = "test"
     n_tasks: int | None = None  # None: the whole split
@@ -135,6 +145,7 @@ class RunConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 

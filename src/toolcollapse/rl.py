@@ -35,16 +35,19 @@ import torch
 from transformers import AutoTokenizer
 
 from toolcollapse.advantages import group_advantages
+from toolcollapse.chat import CONTROL_TAGS, PieceEncoder
 from toolcollapse.checkpoint import complete_checkpoints, load_trainer_state, save_checkpoint
 from toolcollapse.config import RunConfig, dump_config, load_config
 from toolcollapse.envs import make_env
 from toolcollapse.evaluate import sampling_params
 from toolcollapse.losses import aggregate, kl_k3, ppo_clip_loss
 from toolcollapse.model import load_model, logits_at, shared_prefix_len
+from toolcollapse.monitor import ProbeSet, build_probe, resolve_token_ids, run_probe
 from toolcollapse.optim import lr_at, make_optimizer, set_lr
 from toolcollapse.records import Episode, ErrorType, PolicyBatch, Task, TurnState
 from toolcollapse.rewards import rewards_tensor
 from toolcollapse.rollout import RolloutEngine
+from toolcollapse.sft import encode_tasks
 from toolcollapse.runtime import append_jsonl, progress, seed_everything, set_threads
 
 RUN_CONFIG = "config.yaml"
@@ -210,14 +213,20 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False) -> Path:
 
     env = make_env(cfg.env, cfg.world)
     order = task_order(env.tasks(g.split), cfg.seed)
+    probe, probe_tokens = _probe(cfg, env, tokenizer)
     engine = RolloutEngine(model, tokenizer, env)
     params = sampling_params(cfg, greedy=False)
     bar = progress(g.steps, "rl", initial=start)
     model.train()
     for step in range(start, g.steps):
+        t_probe = time.time()
+        probe_stats = {}  # measured before this step's update: step 0 is the initial policy
+        if probe is not None and step % cfg.monitor.probe_every == 0:
+            probe_stats = run_probe(model, probe, probe_tokens)
         t0 = time.time()
         tasks = tasks_for_step(order, step, g.prompts_per_step)
         episodes = engine.generate(tasks, params, group_size=g.group_size, seed=cfg.seed * 1_000_003 + step)
+        t_rollout = time.time()
         rewards = rewards_tensor(episodes, g.format_reward)
         advantages, adv_stats = group_advantages(rewards, g.group_size, g.scale_adv_by_std)
         batch = build_batch(episodes, advantages, tokenizer.pad_token_id)
@@ -226,9 +235,11 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False) -> Path:
         set_lr(optimizer, lr)
         updates = [grpo_update(model, ref_logp, optimizer, batch, g) for _ in range(g.updates_per_batch)]
 
-        metrics = {"step": step, "lr": lr, **asdict(adv_stats), **asdict(updates[-1]),
+        metrics = {"step": step, "lr": lr, **probe_stats, **asdict(adv_stats), **asdict(updates[-1]),
                    "skipped_nonfinite": sum(u.skipped_nonfinite for u in updates),
-                   **rollout_stats(episodes), "seconds": time.time() - t0}
+                   **rollout_stats(episodes), "seconds": time.time() - t_probe,
+                   "seconds_probe": t0 - t_probe, "seconds_rollout": t_rollout - t0,
+                   "seconds_update": time.time() - t_rollout}
         _log(run_dir, writer, metrics, sample_records(step, episodes, rewards, engine.decode, g.samples_per_step))
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", healthy=f"{metrics['healthy_rate']:.2f}",
@@ -239,6 +250,16 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False) -> Path:
     bar.close()
     writer.close()
     return run_dir
+
+
+def _probe(cfg: RunConfig, env: Any, tokenizer: Any) -> tuple[ProbeSet | None, dict[str, int]]:
+    m = cfg.monitor
+    token_ids = resolve_token_ids(tokenizer, m.control_tokens)
+    if m.probe_every <= 0 or m.probe_size <= 0:
+        return None, token_ids
+    tasks = env.tasks(cfg.grpo.split)[:m.probe_size]
+    examples = encode_tasks(PieceEncoder(tokenizer), tasks)
+    return build_probe(examples, tokenizer.pad_token_id, resolve_token_ids(tokenizer, CONTROL_TAGS)), token_ids
 
 
 def resume_config(run_dir: Path) -> RunConfig:

@@ -1,0 +1,189 @@
+"""Control-token statistics: where the paper's collapse shows first (arXiv 2606.26027).
+
+Collapse in multi-turn tool RL is a probability spike on the tokens that drive the
+pipeline -- `<tool_call>`, `<|im_end|>` -- at positions where the grammar forbids
+them, or their disappearance where it requires them. This module measures both as
+pure functions of next-token log-probs.
+
+Every trained position of an assistant turn sits in one grammar **slot**, read off the
+oracle tokens it predicts:
+
+    call_open     the turn's first token when a call is due (target <tool_call>)
+    call_body     inside the call, before its last JSON token
+    call_close    right after the call's JSON (target </tool_call>)
+    answer_start  the first token of the final answer ("where the answer belongs")
+    answer_body   inside the answer text
+    answer_end    right after the answer (target <|im_end|>)
+
+For each control token c and slot s the probe reports the mean probability
+`probe/<c>/p@<s>`; from these, `miss_required` is 1 - p(c) where c is the target
+(`<tool_call>` at call_open, `</tool_call>` at call_close, `<|im_end|>` at answer_end),
+and `p_forbidden_{mean,max,p99}` is c's probability over the slots where emitting it
+makes the parser reject the turn (FORBIDDEN below). `<tool_call>` at answer_start is
+not forbidden (a call instead of an answer is well-formed) but it is the paper's
+spike, so it has its own series.
+
+The **probe set** is a fixed batch of oracle conversations teacher-forced through the
+policy: its inputs never change, so its statistics move only when the policy does.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from toolcollapse.chat import ENDOFTEXT, IM_END, IM_START, TOOL_CALL, TOOL_CALL_END, TOOL_RESPONSE, TOOL_RESPONSE_END
+from toolcollapse.model import logits_at, shared_prefix_len
+
+
+class Slot(enum.IntEnum):
+    CALL_OPEN = 0
+    CALL_BODY = 1
+    CALL_CLOSE = 2
+    ANSWER_START = 3
+    ANSWER_BODY = 4
+    ANSWER_END = 5
+
+
+SLOT_NAMES = {s: s.name.lower() for s in Slot}
+REQUIRED: dict[str, Slot] = {TOOL_CALL: Slot.CALL_OPEN, TOOL_CALL_END: Slot.CALL_CLOSE, IM_END: Slot.ANSWER_END}
+_ALL = frozenset(Slot)
+# Slots where sampling the token makes the turn malformed (parser.py). <|im_end|> inside answer text only
+# truncates the answer, and <tool_call> where the answer belongs is a well-formed (wrong) move: not forbidden.
+FORBIDDEN: dict[str, frozenset[Slot]] = {
+    TOOL_CALL: frozenset({Slot.CALL_BODY, Slot.CALL_CLOSE, Slot.ANSWER_BODY, Slot.ANSWER_END}),
+    TOOL_CALL_END: _ALL - {Slot.CALL_CLOSE},
+    IM_END: frozenset({Slot.CALL_OPEN, Slot.CALL_BODY, Slot.CALL_CLOSE, Slot.ANSWER_START}),
+    IM_START: _ALL,
+    TOOL_RESPONSE: _ALL,
+    TOOL_RESPONSE_END: _ALL,
+    ENDOFTEXT: _ALL,
+}
+DEFAULT_TOKENS: tuple[str, ...] = (TOOL_CALL, TOOL_CALL_END, IM_END, IM_START, TOOL_RESPONSE)
+SHORT = {TOOL_CALL: "tool_call", TOOL_CALL_END: "tool_call_end", IM_END: "im_end", IM_START: "im_start",
+         TOOL_RESPONSE: "tool_response", TOOL_RESPONSE_END: "tool_response_end", ENDOFTEXT: "endoftext"}
+
+
+def slots(ids: Sequence[int], mask: Sequence[int], tool_call_id: int, tool_call_end_id: int,
+          im_end_id: int) -> list[Slot]:
+    """The slot of every trained target token of one oracle conversation, in order.
+
+    ids, mask: the conversation and its trainable mask (chat.PieceEncoder.encode). A
+    call turn is `<tool_call> body </tool_call>`; an answer turn is `text <|im_end|>`.
+    """
+    out: list[Slot] = []
+    in_call, turn_start = False, True
+    for tok, m in zip(ids, mask):
+        if not m:
+            turn_start = True
+            continue
+        if tok == tool_call_id:
+            out.append(Slot.CALL_OPEN)
+            in_call = True
+        elif tok == tool_call_end_id:
+            out.append(Slot.CALL_CLOSE)
+            in_call = False
+        elif in_call:
+            out.append(Slot.CALL_BODY)
+        elif tok == im_end_id:
+            out.append(Slot.ANSWER_END)
+        else:
+            out.append(Slot.ANSWER_START if turn_start else Slot.ANSWER_BODY)
+        turn_start = False
+    return out
+
+
+def control_token_stats(logp: torch.Tensor, slot_of: torch.Tensor, token_ids: Mapping[str, int],
+                        prefix: str = "probe") -> dict[str, float]:
+    """Per-token statistics over positions. logp: [M, V] next-token log-probs; slot_of: [M] Slot values.
+
+    A slot with no positions contributes no series (absent, not NaN).
+    """
+    out: dict[str, float] = {}
+    for name, tid in token_ids.items():
+        p = logp[:, tid].exp()  # [M]
+        key = f"{prefix}/{SHORT.get(name, name)}"
+        for slot in Slot:
+            here = slot_of == slot
+            if here.any():
+                out[f"{key}/p@{SLOT_NAMES[slot]}"] = p[here].mean().item()
+        if name in REQUIRED and (slot_of == REQUIRED[name]).any():
+            out[f"{key}/miss_required"] = 1.0 - p[slot_of == REQUIRED[name]].mean().item()
+        forbidden = torch.zeros_like(slot_of, dtype=torch.bool)
+        for slot in FORBIDDEN.get(name, _ALL):
+            forbidden |= slot_of == slot
+        if forbidden.any():
+            pf = p[forbidden]
+            out[f"{key}/p_forbidden_mean"] = pf.mean().item()
+            out[f"{key}/p_forbidden_max"] = pf.max().item()
+            out[f"{key}/p_forbidden_p99"] = torch.quantile(pf, 0.99).item()
+    return out
+
+
+def resolve_token_ids(tokenizer: Any, names: Sequence[str]) -> dict[str, int]:
+    """Ids of control tokens by their text; an unknown one is an error naming it."""
+    ids = {n: tokenizer.convert_tokens_to_ids(n) for n in names}
+    missing = [n for n, i in ids.items() if i is None or i == tokenizer.unk_token_id]
+    if missing:
+        raise ValueError(f"control tokens {missing} are not single tokens of this tokenizer")
+    return ids
+
+
+# ----------------------------------------------------------------------------- the probe set
+
+
+@dataclass
+class ProbeSet:
+    """Fixed oracle conversations, teacher-forced through the policy every few steps."""
+
+    input_ids: torch.Tensor  # [B, T] right-padded
+    select: torch.Tensor  # [B, T] bool: positions whose next token is a trained target
+    slot_of: torch.Tensor  # [M] Slot of each selected position, row-major
+    prefix_len: int  # shared prefix (the system prompt) run once
+
+
+def build_probe(examples: Sequence[tuple[list[int], list[int]]], pad_id: int, token_ids: Mapping[str, int]) -> ProbeSet:
+    from toolcollapse.sft import collate
+
+    ids, select = collate(examples, pad_id)
+    slot_of = [s for x, m in examples
+               for s in slots(x, m, token_ids[TOOL_CALL], token_ids[TOOL_CALL_END], token_ids[IM_END])]
+    firsts = [m.index(1) for _, m in examples]
+    return ProbeSet(ids, select, torch.tensor(slot_of, dtype=torch.long),
+                    shared_prefix_len([x for x, _ in examples], firsts))
+
+
+@torch.no_grad()
+def run_probe(model: Any, probe: ProbeSet, token_ids: Mapping[str, int]) -> dict[str, float]:
+    was_training = model.training
+    model.eval()
+    logp = torch.log_softmax(logits_at(model, probe.input_ids, probe.select, probe.prefix_len).float(), dim=-1)
+    model.train(was_training)
+    return control_token_stats(logp, probe.slot_of, token_ids)
+
+
+# ----------------------------------------------------------------------------- collapse, from a metric series
+
+
+def rolling_mean(values: Sequence[float], window: int) -> list[float]:
+    """Trailing mean over the last `window` values (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def first_step_below(values: Sequence[float], threshold: float, hold: int = 1) -> int | None:
+    """Index of the first value from which `hold` consecutive values are all below `threshold`."""
+    run = 0
+    for i, v in enumerate(values):
+        run = run + 1 if v < threshold else 0
+        if run >= hold:
+            return i - hold + 1
+    return None

@@ -1,0 +1,76 @@
+import math
+
+import pytest
+import torch
+
+from toolcollapse.chat import CONTROL_TAGS, IM_END, TOOL_CALL, TOOL_CALL_END, PieceEncoder
+from toolcollapse.monitor import Slot, build_probe, control_token_stats, resolve_token_ids, run_probe, slots
+from toolcollapse.sft import encode_tasks
+
+TC, TCE, END = 1, 2, 3  # token ids of <tool_call>, </tool_call>, <|im_end|> in the hand-built sequences
+
+
+def test_slots_of_a_call_turn_then_an_answer_turn():
+    #      prompt   <tc> { x } </tc> tmpl tmpl  a  b  <end>
+    ids = [9, 9, 9, TC, 5, 6, 7, TCE, END, 9, 4, 5, END]
+    mask = [0, 0, 0, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1]
+    assert slots(ids, mask, TC, TCE, END) == [
+        Slot.CALL_OPEN, Slot.CALL_BODY, Slot.CALL_BODY, Slot.CALL_BODY, Slot.CALL_CLOSE,
+        Slot.ANSWER_START, Slot.ANSWER_BODY, Slot.ANSWER_END]
+
+
+def test_slots_of_real_oracle_conversations(world, tokenizer):
+    tasks = world.tasks("train")[:20]
+    ids = resolve_token_ids(tokenizer, CONTROL_TAGS)
+    for task, (x, m) in zip(tasks, encode_tasks(PieceEncoder(tokenizer), tasks)):
+        s = slots(x, m, ids[TOOL_CALL], ids[TOOL_CALL_END], ids[IM_END])
+        assert len(s) == sum(m)
+        n_calls = sum(msg.tool_call is not None for msg in task.reference)
+        assert s.count(Slot.CALL_OPEN) == s.count(Slot.CALL_CLOSE) == n_calls
+        assert s.count(Slot.ANSWER_START) == s.count(Slot.ANSWER_END) == 1
+        assert s[-1] == Slot.ANSWER_END
+
+
+def _logp(rows: list[dict[int, float]], vocab: int = 6) -> torch.Tensor:
+    """Log-probs [M, V]: the given probabilities, the rest of the mass spread over token 0."""
+    p = torch.zeros(len(rows), vocab)
+    for i, row in enumerate(rows):
+        for tok, prob in row.items():
+            p[i, tok] = prob
+        p[i, 0] += 1.0 - p[i].sum()
+    return p.log()
+
+
+def test_known_probability_at_a_forbidden_position_is_reported_exactly():
+    slot_of = torch.tensor([Slot.CALL_OPEN, Slot.CALL_BODY, Slot.CALL_BODY, Slot.ANSWER_END])
+    logp = _logp([{TC: 0.9}, {END: 0.3}, {END: 0.1}, {END: 0.8}])
+    stats = control_token_stats(logp, slot_of, {IM_END: END, TOOL_CALL: TC})
+    assert stats["probe/im_end/p_forbidden_max"] == pytest.approx(0.3, abs=1e-6)
+    assert stats["probe/im_end/p_forbidden_mean"] == pytest.approx((0.0 + 0.3 + 0.1) / 3, abs=1e-6)  # call_open too
+    assert stats["probe/im_end/p@call_body"] == pytest.approx(0.2, abs=1e-6)
+    assert stats["probe/im_end/miss_required"] == pytest.approx(0.2, abs=1e-6)
+    assert stats["probe/tool_call/miss_required"] == pytest.approx(0.1, abs=1e-6)
+    assert stats["probe/tool_call/p_forbidden_max"] == pytest.approx(0.0, abs=1e-6)
+    assert "probe/tool_call/p@answer_start" not in stats  # no such position: no series, not NaN
+    assert all(math.isfinite(v) for v in stats.values())
+
+
+def test_tool_call_where_the_answer_belongs_is_its_own_series_not_forbidden():
+    slot_of = torch.tensor([Slot.ANSWER_START, Slot.ANSWER_BODY])
+    stats = control_token_stats(_logp([{TC: 0.7}, {TC: 0.05}]), slot_of, {TOOL_CALL: TC})
+    assert stats["probe/tool_call/p@answer_start"] == pytest.approx(0.7, abs=1e-6)
+    assert stats["probe/tool_call/p_forbidden_max"] == pytest.approx(0.05, abs=1e-6)
+
+
+def test_probe_on_a_real_model(world, tokenizer, tiny_model):
+    examples = encode_tasks(PieceEncoder(tokenizer), world.tasks("train")[:4])
+    probe = build_probe(examples, tokenizer.pad_token_id, resolve_token_ids(tokenizer, CONTROL_TAGS))
+    assert probe.slot_of.numel() == int(probe.select.sum()) == sum(sum(m) for _, m in examples)
+    stats = run_probe(tiny_model, probe, resolve_token_ids(tokenizer, [TOOL_CALL, IM_END]))
+    assert 0.0 <= stats["probe/tool_call/miss_required"] <= 1.0
+    assert 0.0 <= stats["probe/im_end/p_forbidden_p99"] <= stats["probe/im_end/p_forbidden_max"] <= 1.0
+
+
+def test_unknown_control_token_is_named(tokenizer):
+    with pytest.raises(ValueError, match="<not_a_tag>"):
+        resolve_token_ids(tokenizer, ["<not_a_tag>"])

@@ -1,0 +1,74 @@
+import pytest
+import yaml
+
+from toolcollapse.config import ConfigError
+from toolcollapse.monitor import first_step_below, rolling_mean
+from toolcollapse.runtime import write_jsonl
+from toolcollapse.sweep import format_table, load_sweep, summarize_run
+
+
+def test_rolling_mean_and_first_step_below():
+    assert rolling_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert first_step_below([0.9, 0.4, 0.9, 0.3, 0.2, 0.1], 0.5, hold=2) == 3
+    assert first_step_below([0.9, 0.4, 0.9], 0.5, hold=2) is None
+
+
+def _sweep_file(tmp_path, **extra):
+    init = tmp_path / "sft"
+    init.mkdir(exist_ok=True)
+    (init / "config.json").write_text("{}")
+    raw = {"base": "configs/tiny_rl.yaml", "init": str(init), "out_dir": str(tmp_path / "study"),
+           "seeds": [0, 1], "settings": {"hot": {"grpo.lr": 3.0e-3}, "cold": {"grpo.lr": 1.0e-4}}, **extra}
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def test_sweep_expands_settings_and_seeds_to_named_run_dirs(tmp_path):
+    sweep, specs = load_sweep(_sweep_file(tmp_path))
+    assert [(s.setting, s.seed) for s in specs] == [("hot", 0), ("hot", 1), ("cold", 0), ("cold", 1)]
+    assert specs[1].run_dir == tmp_path / "study" / "hot" / "seed1"
+    assert specs[1].cfg.grpo.lr == 3.0e-3 and specs[1].cfg.seed == 1 and specs[2].cfg.grpo.lr == 1.0e-4
+    assert specs[0].cfg.init == sweep.init and specs[0].cfg.threads == 1
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"settings": {"hot": {"grpo.learning_rate": 1.0}}}, "settings.hot: unknown key grpo.learning_rate"),
+    ({"init": "/no/such/checkpoint"}, "/no/such/checkpoint"),
+    ({"seeds": "zero"}, "seeds"),
+    ({"workers_count": 2}, "unknown key workers_count"),
+])
+def test_bad_sweep_files_are_rejected_before_any_run(tmp_path, extra, message):
+    with pytest.raises(ConfigError, match=message):
+        load_sweep(_sweep_file(tmp_path, **extra))
+
+
+def test_summarize_run_finds_collapse_and_the_first_probe_move(tmp_path):
+    healthy = [0.95] * 6 + [0.7, 0.4, 0.2, 0.1, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05]
+    rows = []
+    for step, h in enumerate(healthy):
+        row = {"step": step, "healthy_rate": h, "reward_mean": h / 2, "frac_groups_informative": 0.5 if h > 0.1 else 0.0}
+        if step % 2 == 0:  # the probe runs every 2 steps; <|im_end|> inside calls rises from step 4
+            row["probe/im_end/p_forbidden_max"] = 0.01 if step < 4 else 0.4
+            row["probe/tool_call/miss_required"] = 0.02 if step < 8 else 0.5
+        rows.append(row)
+    write_jsonl(tmp_path / "metrics.jsonl", rows)
+    s = summarize_run(tmp_path, steps=16)
+    assert s["healthy_start"] == pytest.approx(0.95)
+    assert s["collapsed"] and s["healthy_min"] == pytest.approx(0.05)
+    assert s["step_below_half"] == 9  # 5-step means: step 8 (0.95+0.95+0.7+0.4+0.2)/5 = 0.64, step 9 0.47 < 0.475
+    assert s["step_uninformative"] == 9
+    assert s["first_probe_move"] == "im_end/p_forbidden_max 0.010->0.400 @4"
+    table = format_table([{"setting": "hot", "seed": 0, **s}])
+    assert "| hot | 0 | 16/16 |" in table and "yes" in table
+
+
+def test_paired_comparison_sign_test():
+    from toolcollapse.sweep import paired_comparison
+
+    before = [True] * 10 + [False] * 10
+    after = [True] * 10 + [True] * 6 + [False] * 4  # 6 gained, 0 lost: p = 2 / 2**6
+    r = paired_comparison(before, after)
+    assert (r["eval_gained"], r["eval_lost"]) == (6, 0)
+    assert r["eval_p_value"] == pytest.approx(2 / 64)
+    assert paired_comparison([True, False], [True, False])["eval_p_value"] == 1.0
