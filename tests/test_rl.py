@@ -156,3 +156,28 @@ def test_sigkill_and_resume_reproduce_an_uninterrupted_run(tmp_path, init_checkp
     full, resumed = _metrics(tmp_path / "full"), _metrics(killed)
     assert [m["step"] for m in resumed] == list(range(5))
     assert resumed == full
+
+
+@pytest.mark.slow
+def test_skip_uninformative_steps_leaves_the_weights_alone(tmp_path, init_checkpoint):
+    """The random tiny model never solves a task: every group is all-0. With the skip no update
+    runs at all; without it, the update runs (zero advantages, so only the KL term and Adam's
+    momentum could move the weights -- see the momentum test above)."""
+    from safetensors.torch import load_file
+
+    from toolcollapse.config import load_config
+    from toolcollapse.rl import run_rl
+
+    config = _rl_config(tmp_path, init_checkpoint)
+    init = load_file(init_checkpoint / "model.safetensors")
+    for skip in (True, False):
+        cfg = load_config(config, [f"grpo.skip_uninformative_steps={str(skip).lower()}", "grpo.steps=2",
+                                   "monitor.probe_every=0"])
+        run_dir = run_rl(cfg, tmp_path / f"skip_{skip}")
+        rows = _metrics(run_dir)
+        assert all(r["frac_groups_informative"] == 0 for r in rows)
+        assert [r["skipped_uninformative"] for r in rows] == [int(skip)] * 2
+        assert all(("grad_norm" in r) != skip for r in rows)  # the update ran iff not skipped
+        if skip:
+            final = load_file(run_dir / "checkpoints" / "step_000002" / "model.safetensors")
+            assert all(torch.equal(init[k], final[k]) for k in init)

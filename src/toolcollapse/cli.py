@@ -128,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"toolcollapse: error: {err}", file=sys.stderr)
         return 2
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars on every checkpoint
+
     if args.command == "sft":
         from toolcollapse.sft import run_sft
 

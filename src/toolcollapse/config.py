@@ -106,6 +106,9 @@ class GRPOConfig:
     scale_adv_by_std: bool = True  # False: Dr. GRPO
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
     updates_per_batch: int = 1  # optimizer steps on each batch of rollouts
+    # No optimizer step when every group's rewards are equal (all advantages 0): otherwise Adam's momentum
+    # keeps moving the weights along old gradients with nothing to correct them (LOG 2026-12-03).
+    skip_uninformative_steps: bool = False
     micro_batch_size: int = 16  # sequences per forward/backward (gradient accumulation)
     format_reward: float = 0.0  # optional shaping: + format_reward * share of healthy turns
     split: Split = "train"

@@ -10,6 +10,11 @@ One step:
      only (tool output and template tokens are masked), plus beta * k3 KL to the
      frozen initial model (losses.py), token-mean over the batch;
   4. clip the gradient norm; a non-finite loss or norm skips the step, never the weights.
+Every `monitor.probe_every` steps, before the update, a fixed probe set of oracle
+conversations is teacher-forced through the policy and its control-token statistics
+are logged (monitor.py). With `grpo.skip_uninformative_steps`, a step whose groups all
+have equal rewards makes no optimizer step, so Adam's momentum cannot keep moving the
+weights on zero advantages.
 
 Departures from the paper (arXiv 2606.26027, verl): the old log-probs are the ones
 recorded at sampling time (temperature 1, no top-p, so they are the policy's own up
@@ -233,9 +238,11 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False) -> Path:
         ref_logp = reference_logprobs(ref_model, batch, g.micro_batch_size) if ref_model is not None else None
         lr = lr_at(step, g.lr, g.warmup_steps, g.steps, g.min_lr_ratio, g.schedule)
         set_lr(optimizer, lr)
-        updates = [grpo_update(model, ref_logp, optimizer, batch, g) for _ in range(g.updates_per_batch)]
+        skip = g.skip_uninformative_steps and adv_stats.frac_groups_informative == 0
+        updates = [] if skip else [grpo_update(model, ref_logp, optimizer, batch, g) for _ in range(g.updates_per_batch)]
 
-        metrics = {"step": step, "lr": lr, **probe_stats, **asdict(adv_stats), **asdict(updates[-1]),
+        metrics = {"step": step, "lr": lr, **probe_stats, **asdict(adv_stats),
+                   **(asdict(updates[-1]) if updates else {}), "skipped_uninformative": int(skip),
                    "skipped_nonfinite": sum(u.skipped_nonfinite for u in updates),
                    **rollout_stats(episodes), "seconds": time.time() - t_probe,
                    "seconds_probe": t0 - t_probe, "seconds_rollout": t_rollout - t0,

@@ -12,6 +12,7 @@ training, each run's final checkpoint is evaluated greedily on `eval_split`
 
 from __future__ import annotations
 
+import json
 import math
 import multiprocessing as mp
 import time
@@ -86,6 +87,9 @@ def run_sweep(sweep: SweepConfig, specs: list[RunSpec]) -> list[Path]:
 
 
 def _run_one(job: tuple[RunSpec | None, SweepConfig]) -> str:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     spec, sweep = job
     if spec is None:  # the starting checkpoint, evaluated once for comparison
         cfg = load_config(Path(sweep.init) / "toolcollapse.yaml", [f"threads={sweep.threads_per_worker}"])
@@ -109,8 +113,8 @@ def _evaluate(checkpoint: Path, cfg: RunConfig, sweep: SweepConfig) -> None:
     from toolcollapse.evaluate import run_eval
 
     summary_path = checkpoint / "eval" / f"{sweep.eval_split}.summary.json"
-    if summary_path.is_file():
-        return
+    if summary_path.is_file() and json.loads(summary_path.read_text())["n_episodes"] == sweep.eval_n:
+        return  # already evaluated on the same tasks (the first eval_n of the split)
     cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, split=sweep.eval_split, n_tasks=sweep.eval_n,
                                                             greedy=True))
     run_eval(checkpoint, cfg)
@@ -123,7 +127,12 @@ MOVED = 0.10  # a probe series has "moved" once it is this far (absolute probabi
 
 
 def summarize_run(run_dir: Path, steps: int) -> dict[str, Any]:
-    """Collapse figures of one RL run from its metrics.jsonl (see docs/LOG.md for the definitions)."""
+    """Collapse figures of one RL run from its metrics.jsonl.
+
+    The healthy-turn rate is smoothed by a trailing 5-step mean; `healthy_start` is the
+    rate at step 0 (the starting policy); a run `collapsed` when it starts at >= 90 %
+    and its smoothed rate reaches <= 20 %.
+    """
     from toolcollapse.monitor import first_step_below, rolling_mean
     from toolcollapse.runtime import read_jsonl
 
@@ -132,7 +141,7 @@ def summarize_run(run_dir: Path, steps: int) -> dict[str, Any]:
     if not rows:
         return {"run": str(run_dir), "steps_done": 0}
     healthy = rolling_mean([r["healthy_rate"] for r in rows], WINDOW)
-    start = healthy[min(WINDOW, len(healthy)) - 1]
+    start = healthy[0]  # step 0: the starting policy, before any update
     informative = [r["frac_groups_informative"] for r in rows]
     out: dict[str, Any] = {
         "run": str(run_dir), "steps_done": len(rows), "steps": steps,
