@@ -110,3 +110,19 @@ def test_detectors_respect_direction_and_warmup():
 
 def test_first_alarm_reports_the_step_label():
     assert first_alarm([False, True, True], steps=[10, 12, 14]) == 12
+
+
+def test_sampled_control_stats_hand_computed():
+    from toolcollapse.monitor import sampled_control_stats
+
+    targets = torch.tensor([TC, 7, 8, TC, END])
+    old = torch.tensor([0.5, 0.9, 0.8, 0.25, 0.6]).log()
+    new = old + torch.tensor([math.log(2.0), 0.0, 0.0, 0.0, math.log(0.5)])  # ratios 2, 1, 1, 1, 0.5
+    entropy = torch.tensor([1.0, 0.1, 0.3, 2.0, 3.0])
+    s = sampled_control_stats(targets, new, old, entropy, {TOOL_CALL: TC, IM_END: END, TOOL_CALL_END: TCE})
+    assert s["ctrl/tool_call/p_sampled_mean"] == pytest.approx(0.375) and s["ctrl/tool_call/p_sampled_max"] == 0.5
+    assert s["ctrl/tool_call/n_sampled"] == 2 and s["ctrl/im_end/p_sampled_max"] == pytest.approx(0.6)
+    assert "ctrl/tool_call_end/p_sampled_mean" not in s  # never sampled: no series
+    assert s["ctrl/ratio_mean_ctrl"] == pytest.approx((2 + 1 + 0.5) / 3)
+    assert s["ctrl/ratio_max_ctrl"] == pytest.approx(2.0) and s["ctrl/ratio_max_other"] == pytest.approx(1.0)
+    assert s["ctrl/entropy_mean_ctrl"] == pytest.approx(2.0) and s["ctrl/entropy_mean_other"] == pytest.approx(0.2)

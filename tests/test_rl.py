@@ -178,6 +178,7 @@ def test_skip_uninformative_steps_leaves_the_weights_alone(tmp_path, init_checkp
         assert all(r["frac_groups_informative"] == 0 for r in rows)
         assert [r["skipped_uninformative"] for r in rows] == [int(skip)] * 2
         assert all(("grad_norm" in r) != skip for r in rows)  # the update ran iff not skipped
+        assert all(("ctrl/entropy_mean_other" in r) != skip for r in rows)  # statistics of the update's forward
         if skip:
             final = load_file(run_dir / "checkpoints" / "step_000002" / "model.safetensors")
             assert all(torch.equal(init[k], final[k]) for k in init)

@@ -254,3 +254,36 @@ def first_alarm(fires: Sequence[bool], steps: Sequence[int] | None = None) -> in
         if f:
             return steps[i] if steps is not None else i
     return None
+
+
+# ----------------------------------------------------------------------------- statistics of the training forward
+
+
+def sampled_control_stats(targets: torch.Tensor, logp: torch.Tensor, old_logp: torch.Tensor, entropy: torch.Tensor,
+                          token_ids: Mapping[str, int], prefix: str = "ctrl") -> dict[str, float]:
+    """Control-token statistics at the tokens the policy sampled, from the update's own forward.
+
+    targets, logp, old_logp, entropy: [M] over the sampled tokens of a batch -- the token,
+    its log-prob under the current policy, under the sampling policy, and the current
+    policy's entropy there. Per control token c sampled at least once: its sampling
+    probability (mean, max) where it was sampled; over all control tokens vs all other
+    tokens: the importance ratio exp(logp - old_logp) (mean, max) and the entropy (mean).
+    """
+    out: dict[str, float] = {}
+    is_ctrl = torch.zeros_like(targets, dtype=torch.bool)
+    for name, tid in token_ids.items():
+        here = targets == tid
+        is_ctrl |= here
+        if here.any():
+            p = old_logp[here].exp()
+            key = f"{prefix}/{SHORT.get(name, name)}"
+            out[f"{key}/p_sampled_mean"] = p.mean().item()
+            out[f"{key}/p_sampled_max"] = p.max().item()
+            out[f"{key}/n_sampled"] = float(here.sum().item())
+    ratio = (logp - old_logp).exp()
+    for label, where in (("ctrl", is_ctrl), ("other", ~is_ctrl)):
+        if where.any():
+            out[f"{prefix}/ratio_mean_{label}"] = ratio[where].mean().item()
+            out[f"{prefix}/ratio_max_{label}"] = ratio[where].max().item()
+            out[f"{prefix}/entropy_mean_{label}"] = entropy[where].mean().item()
+    return out

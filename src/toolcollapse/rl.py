@@ -47,7 +47,7 @@ from toolcollapse.envs import make_env
 from toolcollapse.evaluate import sampling_params
 from toolcollapse.losses import aggregate, kl_k3, ppo_clip_loss
 from toolcollapse.model import load_model, logits_at, shared_prefix_len
-from toolcollapse.monitor import ProbeSet, build_probe, resolve_token_ids, run_probe
+from toolcollapse.monitor import ProbeSet, build_probe, resolve_token_ids, run_probe, sampled_control_stats
 from toolcollapse.optim import lr_at, make_optimizer, set_lr
 from toolcollapse.records import Episode, ErrorType, PolicyBatch, Task, TurnState
 from toolcollapse.rewards import rewards_tensor
@@ -108,8 +108,11 @@ class UpdateStats:
 
 
 def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torch.optim.Optimizer,
-                batch: PolicyBatch, cfg: Any) -> UpdateStats:
-    """One optimizer step over the whole batch, in micro-batches (gradient accumulation)."""
+                batch: PolicyBatch, cfg: Any, collect: list | None = None) -> UpdateStats:
+    """One optimizer step over the whole batch, in micro-batches (gradient accumulation).
+
+    `collect`, if given, receives (targets, logp, old_logp, entropy) [M] per micro-batch,
+    detached: the monitor's statistics come from this forward at no extra cost."""
     n_tokens, n_seqs = int(batch.target_mask.sum()), len(batch)
     sums: Counter[str] = Counter()
     finite = True
@@ -126,6 +129,8 @@ def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torc
             kl = kl_k3(logp, ref_logp[k])
             per_token = pg + cfg.kl_coef * kl
         loss = aggregate(per_token, seq_ids, cfg.loss_agg, n_tokens, n_seqs)
+        if collect is not None:
+            collect.append((mb.input_ids[mb.target_mask], logp.detach(), old, entropy.detach()))
         finite &= bool(torch.isfinite(loss))
         if finite:
             loss.backward()
@@ -150,6 +155,21 @@ def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torc
                        clip_frac_low=per_tok("clip_frac_low"), clip_frac_high=per_tok("clip_frac_high"),
                        dual_clip_frac=per_tok("dual_clip_frac"), ratio_max=sums["ratio_max"],
                        grad_norm=grad_norm, skipped_nonfinite=int(skipped))
+
+
+def policy_step(model: Any, ref_model: Any | None, optimizer: torch.optim.Optimizer, episodes: Sequence[Episode],
+                rewards: torch.Tensor, g: Any, pad_id: int, control_ids: dict[str, int]) -> dict[str, float]:
+    """Advantages, then `updates_per_batch` optimizer steps on one batch of rollouts; their statistics."""
+    advantages, adv_stats = group_advantages(rewards, g.group_size, g.scale_adv_by_std)
+    if g.skip_uninformative_steps and adv_stats.frac_groups_informative == 0:
+        return {**asdict(adv_stats), "skipped_uninformative": 1, "skipped_nonfinite": 0}
+    batch = build_batch(episodes, advantages, pad_id)
+    ref_logp = reference_logprobs(ref_model, batch, g.micro_batch_size) if ref_model is not None else None
+    collected: list = []  # per-token tensors of the last update's forward, for the control-token statistics
+    updates = [grpo_update(model, ref_logp, optimizer, batch, g, collect=collected if k == g.updates_per_batch - 1
+                           else None) for k in range(g.updates_per_batch)]
+    return {**asdict(adv_stats), **asdict(updates[-1]), **_control_stats(collected, control_ids),
+            "skipped_uninformative": 0, "skipped_nonfinite": sum(u.skipped_nonfinite for u in updates)}
 
 
 @torch.no_grad()
@@ -232,21 +252,14 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False) -> Path:
         tasks = tasks_for_step(order, step, g.prompts_per_step)
         episodes = engine.generate(tasks, params, group_size=g.group_size, seed=cfg.seed * 1_000_003 + step)
         t_rollout = time.time()
-        rewards = rewards_tensor(episodes, g.format_reward)
-        advantages, adv_stats = group_advantages(rewards, g.group_size, g.scale_adv_by_std)
-        batch = build_batch(episodes, advantages, tokenizer.pad_token_id)
-        ref_logp = reference_logprobs(ref_model, batch, g.micro_batch_size) if ref_model is not None else None
         lr = lr_at(step, g.lr, g.warmup_steps, g.steps, g.min_lr_ratio, g.schedule)
         set_lr(optimizer, lr)
-        skip = g.skip_uninformative_steps and adv_stats.frac_groups_informative == 0
-        updates = [] if skip else [grpo_update(model, ref_logp, optimizer, batch, g) for _ in range(g.updates_per_batch)]
-
-        metrics = {"step": step, "lr": lr, **probe_stats, **asdict(adv_stats),
-                   **(asdict(updates[-1]) if updates else {}), "skipped_uninformative": int(skip),
-                   "skipped_nonfinite": sum(u.skipped_nonfinite for u in updates),
-                   **rollout_stats(episodes), "seconds": time.time() - t_probe,
-                   "seconds_probe": t0 - t_probe, "seconds_rollout": t_rollout - t0,
-                   "seconds_update": time.time() - t_rollout}
+        rewards = rewards_tensor(episodes, g.format_reward)
+        update_stats = policy_step(model, ref_model, optimizer, episodes, rewards, g, tokenizer.pad_token_id,
+                                   probe_tokens)
+        metrics = {"step": step, "lr": lr, **probe_stats, **update_stats, **rollout_stats(episodes),
+                   "seconds": time.time() - t_probe, "seconds_probe": t0 - t_probe,
+                   "seconds_rollout": t_rollout - t0, "seconds_update": time.time() - t_rollout}
         _log(run_dir, writer, metrics, sample_records(step, episodes, rewards, engine.decode, g.samples_per_step))
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", healthy=f"{metrics['healthy_rate']:.2f}",
@@ -257,6 +270,13 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False) -> Path:
     bar.close()
     writer.close()
     return run_dir
+
+
+def _control_stats(collected: list, token_ids: dict[str, int]) -> dict[str, float]:
+    if not collected:
+        return {}
+    targets, logp, old, entropy = (torch.cat(parts) for parts in zip(*collected))
+    return sampled_control_stats(targets, logp, old, entropy, token_ids)
 
 
 def _probe(cfg: RunConfig, env: Any, tokenizer: Any) -> tuple[ProbeSet | None, dict[str, int]]:
