@@ -11,7 +11,7 @@ healthy tool call) only has to be the same on both sides: it does not change the
 Prints the median wall time of a step (rollout + update; the first step of each side
 is warm-up and not counted), the mean completion length of each side, and the ratio.
 
-    pip install trl   # not a dependency of toolcollapse
+    pip install -e '.[bench]'   # TRL is not a dependency of toolcollapse itself
     python bench/grpo_step_vs_trl.py --checkpoint runs/tiny/sft --steps 6
 """
 

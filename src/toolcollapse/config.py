@@ -92,7 +92,7 @@ class GRPOConfig:
     steps: int = 100
     prompts_per_step: int = 8
     group_size: int = 8  # rollouts per prompt (G)
-    lr: float = 1e-4
+    lr: float = 1e-5  # tiny tier: 1e-3 collapses, 1e-4 keeps the format but loses success (docs/LOG.md)
     schedule: Literal["cosine", "wsd", "constant"] = "constant"
     warmup_steps: int = 0
     min_lr_ratio: float = 1.0
