@@ -8,7 +8,8 @@ from toolcollapse.chat import PieceEncoder
 from toolcollapse.losses import sft_loss
 from toolcollapse.model import logits_at, shared_prefix_len
 from toolcollapse.optim import lr_at
-from toolcollapse.sft import collate, encode_first_calls, encode_tasks, length_grouped_batches, token_kinds
+from toolcollapse.sft import (collate, encode_first_calls, encode_tasks, encode_without_system_prompt,
+                              length_grouped_batches, token_kinds)
 
 
 def test_sft_loss_hand_computed():
@@ -62,6 +63,9 @@ def test_copy_warmup_examples_are_question_and_first_call(world, tokenizer):
     trained = [t for t, m in zip(ids, mask) if m]
     first_call = [t for t, m in zip(full_ids, full_mask) if m][:len(trained)]
     assert trained == first_call  # the same targets as the first assistant turn of the full conversation
+    (ids, mask), = encode_without_system_prompt(encoder, [task])
+    assert "system" not in tokenizer.decode(ids) and len(ids) < len(full_ids) - 100
+    assert [t for t, m in zip(ids, mask) if m] == [t for t, m in zip(full_ids, full_mask) if m]  # every target kept
 
 
 def test_lr_schedules():
