@@ -9,7 +9,7 @@ from toolcollapse.losses import sft_loss
 from toolcollapse.model import logits_at, shared_prefix_len
 from toolcollapse.optim import lr_at
 from toolcollapse.sft import (collate, encode_first_calls, encode_tasks, encode_without_system_prompt,
-                              length_grouped_batches, token_kinds)
+                              length_grouped_batches, token_kinds, warmup_examples)
 
 
 def test_sft_loss_hand_computed():
@@ -66,6 +66,9 @@ def test_copy_warmup_examples_are_question_and_first_call(world, tokenizer):
     (ids, mask), = encode_without_system_prompt(encoder, [task])
     assert "system" not in tokenizer.decode(ids) and len(ids) < len(full_ids) - 100
     assert [t for t, m in zip(ids, mask) if m] == [t for t, m in zip(full_ids, full_mask) if m]  # every target kept
+    tasks = world.tasks("train")[:4]
+    both = warmup_examples(encoder, tasks, "both")
+    assert both == encode_first_calls(encoder, tasks[:2]) + encode_without_system_prompt(encoder, tasks[2:])
 
 
 def test_lr_schedules():

@@ -74,7 +74,8 @@ class SFTConfig:
     # system prompt, where a tiny model learns to copy names out of the question; then `steps` on full tasks.
     copy_warmup_steps: int = 0
     copy_warmup_batch_size: int = 64
-    copy_warmup_content: Literal["first_call", "no_system_prompt"] = "first_call"  # or whole tasks minus the prompt
+    # first_call: question -> first call; no_system_prompt: whole tasks minus the system prompt; both: half each
+    copy_warmup_content: Literal["first_call", "no_system_prompt", "both"] = "first_call"
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,16 @@ def encode_without_system_prompt(encoder: PieceEncoder, tasks: Sequence[Task]) -
     return [encoder.encode_conversation([t.prompt[-1], *t.reference]) for t in tasks]
 
 
+def warmup_examples(encoder: PieceEncoder, tasks: Sequence[Task], content: str) -> list[Example]:
+    """The copy warm-up's data: first calls, whole conversations without the system prompt, or half of each."""
+    if content == "first_call":
+        return encode_first_calls(encoder, tasks)
+    if content == "no_system_prompt":
+        return encode_without_system_prompt(encoder, tasks)
+    half = len(tasks) // 2
+    return encode_first_calls(encoder, tasks[:half]) + encode_without_system_prompt(encoder, tasks[half:])
+
+
 def collate(examples: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded ids [B, T] and the positions whose *next* token is trained [B, T]."""
     width = max(len(ids) for ids, _ in examples)
@@ -160,14 +170,17 @@ def run_sft(cfg: RunConfig, out_dir: str | Path | None = None) -> Path:
           f"{sc.steps} steps x {sc.batch_size}; setup {time.time() - t0:.1f}s")
     rng = random.Random(cfg.seed)
     phases = []
+    group = 16 if sc.group_by_length else 1
     if sc.copy_warmup_steps > 0:
-        encode = encode_first_calls if sc.copy_warmup_content == "first_call" else encode_without_system_prompt
-        warmup = encode(encoder, env.tasks("train")[:sc.copy_warmup_steps * sc.copy_warmup_batch_size])
-        phases.append(("copy warm-up", warmup, sc.copy_warmup_steps, sc.copy_warmup_batch_size))
-    phases.append(("sft", train, sc.steps, sc.batch_size))
+        warmup = warmup_examples(encoder, env.tasks("train")[:sc.copy_warmup_steps * sc.copy_warmup_batch_size],
+                                 sc.copy_warmup_content)
+        # "both" mixes ~50- and ~210-token examples: batch them by length so short ones are not padded
+        phases.append(("copy warm-up", warmup, sc.copy_warmup_steps, sc.copy_warmup_batch_size,
+                       16 if sc.copy_warmup_content == "both" else group))
+    phases.append(("sft", train, sc.steps, sc.batch_size, group))
     done = 0
-    for name, examples, steps, batch_size in phases:
-        batches = length_grouped_batches(examples, batch_size, rng, group=16 if sc.group_by_length else 1)
+    for name, examples, steps, batch_size, group in phases:
+        batches = length_grouped_batches(examples, batch_size, rng, group=group)
         optimizer = make_optimizer(model, sc.lr, sc.weight_decay, sc.betas)  # each phase: fresh moments, own schedule
         bar = progress(steps, name)
         for step in range(steps):
