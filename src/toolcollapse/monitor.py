@@ -62,7 +62,6 @@ FORBIDDEN: dict[str, frozenset[Slot]] = {
     TOOL_RESPONSE_END: _ALL,
     ENDOFTEXT: _ALL,
 }
-DEFAULT_TOKENS: tuple[str, ...] = (TOOL_CALL, TOOL_CALL_END, IM_END, IM_START, TOOL_RESPONSE)
 SHORT = {TOOL_CALL: "tool_call", TOOL_CALL_END: "tool_call_end", IM_END: "im_end", IM_START: "im_start",
          TOOL_RESPONSE: "tool_response", TOOL_RESPONSE_END: "tool_response_end", ENDOFTEXT: "endoftext"}
 

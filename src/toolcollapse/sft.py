@@ -24,7 +24,8 @@ from __future__ import annotations
 import random
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -141,6 +142,45 @@ def validate(model: Any, examples: Sequence[Example], kinds: Sequence[Sequence[s
     return out
 
 
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    examples: Sequence[Example]
+    steps: int
+    batch_size: int
+    length_group: int  # batches drawn from `length_group` batches' worth sorted by length (1: plain shuffle)
+
+
+def train_phase(model: Any, phase: Phase, sc: Any, rng: random.Random, pad_id: int, step_offset: int,
+                run_validation: Callable[[], dict[str, float]], log: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """`phase.steps` optimizer steps on its examples, with a fresh AdamW and its own LR schedule;
+    returns the last step's record (loss, accuracy, validation)."""
+    steps = phase.steps
+    batches = length_grouped_batches(phase.examples, phase.batch_size, rng, group=phase.length_group)
+    optimizer = make_optimizer(model, sc.lr, sc.weight_decay, sc.betas)
+    bar = progress(steps, phase.name)
+    for step in range(steps):
+        lr = lr_at(step, sc.lr, sc.warmup_steps, steps, sc.min_lr_ratio, sc.schedule, sc.decay_frac)
+        set_lr(optimizer, lr)
+        logits, targets = batch_logits(model, next(batches), pad_id)
+        loss, stats = sft_loss(logits, targets)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), sc.grad_clip).item()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        bar.update(1)
+        bar.set_postfix(loss=f"{stats.loss:.3f}", acc=f"{stats.accuracy:.3f}", lr=f"{lr:.1e}", refresh=False)
+        record: dict[str, Any] = {}
+        if step % sc.log_every == 0 or step == steps - 1:
+            record = {"loss": stats.loss, "accuracy": stats.accuracy, "lr": lr, "grad_norm": grad_norm}
+        if (step + 1) % sc.val_every == 0 or step == steps - 1:
+            record.update(run_validation())
+        if record:
+            log({"step": step_offset + step, "phase": phase.name, **record})
+    bar.close()
+    return record
+
+
 def run_sft(cfg: RunConfig, out_dir: str | Path | None = None) -> Path:
     out = Path(out_dir) if out_dir is not None else Path(cfg.out_dir) / "sft"
     out.mkdir(parents=True, exist_ok=True)
@@ -169,45 +209,25 @@ def run_sft(cfg: RunConfig, out_dir: str | Path | None = None) -> Path:
           f"{sc.copy_warmup_steps} copy warm-up steps x {sc.copy_warmup_batch_size} + "
           f"{sc.steps} steps x {sc.batch_size}; setup {time.time() - t0:.1f}s")
     rng = random.Random(cfg.seed)
-    phases = []
     group = 16 if sc.group_by_length else 1
+    phases = []
     if sc.copy_warmup_steps > 0:
         warmup = warmup_examples(encoder, env.tasks("train")[:sc.copy_warmup_steps * sc.copy_warmup_batch_size],
                                  sc.copy_warmup_content)
         # "both" mixes ~50- and ~210-token examples: batch them by length so short ones are not padded
-        phases.append(("copy warm-up", warmup, sc.copy_warmup_steps, sc.copy_warmup_batch_size,
-                       16 if sc.copy_warmup_content == "both" else group))
-    phases.append(("sft", train, sc.steps, sc.batch_size, group))
-    done = 0
-    for name, examples, steps, batch_size, group in phases:
-        batches = length_grouped_batches(examples, batch_size, rng, group=group)
-        optimizer = make_optimizer(model, sc.lr, sc.weight_decay, sc.betas)  # each phase: fresh moments, own schedule
-        bar = progress(steps, name)
-        for step in range(steps):
-            lr = lr_at(step, sc.lr, sc.warmup_steps, steps, sc.min_lr_ratio, sc.schedule, sc.decay_frac)
-            set_lr(optimizer, lr)
-            logits, targets = batch_logits(model, next(batches), tokenizer.pad_token_id)
-            loss, stats = sft_loss(logits, targets)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), sc.grad_clip).item()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            bar.update(1)
-            bar.set_postfix(loss=f"{stats.loss:.3f}", acc=f"{stats.accuracy:.3f}", lr=f"{lr:.1e}", refresh=False)
-            record: dict[str, Any] = {}
-            if step % sc.log_every == 0 or step == steps - 1:
-                record = {"loss": stats.loss, "accuracy": stats.accuracy, "lr": lr, "grad_norm": grad_norm}
-            if (step + 1) % sc.val_every == 0 or step == steps - 1:
-                record.update(validate(model, val, val_kinds, tokenizer.pad_token_id, sc.batch_size))
-            if record:
-                append_jsonl(out / "metrics.jsonl", {"step": done + step, "phase": name, **record,
-                                                     "elapsed_s": round(time.time() - t0, 2)})
-        bar.close()
-        done += steps
+        phases.append(Phase("copy warm-up", warmup, sc.copy_warmup_steps, sc.copy_warmup_batch_size,
+                            16 if sc.copy_warmup_content == "both" else group))
+    phases.append(Phase("sft", train, sc.steps, sc.batch_size, group))
+    log = lambda record: append_jsonl(out / "metrics.jsonl", {**record, "elapsed_s": round(time.time() - t0, 2)})  # noqa: E731
+    done, record = 0, {}
+    for phase in phases:
+        record = train_phase(model, phase, sc, rng, tokenizer.pad_token_id, done,
+                             lambda: validate(model, val, val_kinds, tokenizer.pad_token_id, sc.batch_size), log)
+        done += phase.steps
 
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     dump_config(cfg, out / CONFIG_FILE)
     final = {k: round(v, 4) for k, v in record.items() if k.startswith("val/")}
-    print(f"sft: done in {time.time() - t0:.0f}s; final train loss {stats.loss:.4f}; {final} -> {out}")
+    print(f"sft: done in {time.time() - t0:.0f}s; final train loss {record['loss']:.4f}; {final} -> {out}")
     return out

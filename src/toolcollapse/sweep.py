@@ -12,6 +12,7 @@ training, each run's final checkpoint is evaluated greedily on `eval_split`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import multiprocessing as mp
@@ -108,8 +109,6 @@ def _run_one(job: tuple[RunSpec | None, SweepConfig]) -> str:
 
 
 def _evaluate(checkpoint: Path, cfg: RunConfig, sweep: SweepConfig) -> None:
-    import dataclasses
-
     from toolcollapse.evaluate import run_eval
 
     summary_path = checkpoint / "eval" / f"{sweep.eval_split}.summary.json"
@@ -175,8 +174,7 @@ def first_probe_moves(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if not moves:
         return {"first_probe_move": None}
     step, _, key, before, after = min(moves)
-    return {"first_probe_move": f"{key.removeprefix('probe/')} {before:.3f}->{after:.3f} @{step}",
-            "probe_moves": sorted(moves)[:6]}
+    return {"first_probe_move": f"{key.removeprefix('probe/')} {before:.3f}->{after:.3f} @{step}"}
 
 
 def summarize_runs(sweep: SweepConfig, specs: list[RunSpec]) -> list[dict[str, Any]]:
