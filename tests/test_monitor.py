@@ -78,40 +78,6 @@ def test_unknown_control_token_is_named(tokenizer):
 
 # ----------------------------------------------------------------------------- detectors
 
-from toolcollapse.monitor import Cusum, RobustZ, first_alarm  # noqa: E402
-
-
-def _noise(n: int, seed: int, level: float = 0.05, sd: float = 0.01) -> list[float]:
-    g = torch.Generator().manual_seed(seed)
-    return (level + sd * torch.randn(n, generator=g)).tolist()
-
-
-@pytest.mark.parametrize("detector", [RobustZ(), Cusum()])
-def test_detectors_fire_at_an_injected_spike(detector):
-    series = _noise(40, seed=0)
-    series[25:] = [0.5] * 15  # a control token's forbidden mass jumps at step 25
-    assert first_alarm(detector.fires(series)) == 25
-
-
-@pytest.mark.parametrize("detector", [RobustZ(), Cusum()])
-def test_detectors_rarely_fire_on_stationary_noise(detector):
-    false_alarms = sum(first_alarm(detector.fires(_noise(60, seed))) is not None for seed in range(200))
-    assert false_alarms <= 2  # <= 1 % of series (measured 0-0.5 % over 1000)
-
-
-def test_detectors_respect_direction_and_warmup():
-    falling = [0.9] * 20 + [0.2] * 5  # the healthy rate drops at step 20
-    assert first_alarm(RobustZ(direction=1).fires(falling)) is None
-    assert first_alarm(RobustZ(direction=-1).fires(falling)) == 20
-    assert first_alarm(Cusum(direction=-1).fires(falling)) == 20
-    early = [0.0, 0.0, 5.0, 5.0, 5.0, 5.0, 5.0]  # a jump inside the warm-up is the baseline, not an alarm
-    assert RobustZ(warmup=5).fires(early)[:5] == [False] * 5
-
-
-def test_first_alarm_reports_the_step_label():
-    assert first_alarm([False, True, True], steps=[10, 12, 14]) == 12
-
-
 def test_sampled_control_stats_hand_computed():
     from toolcollapse.monitor import sampled_control_stats
 

@@ -2,7 +2,7 @@ import pytest
 import yaml
 
 from toolcollapse.config import ConfigError
-from toolcollapse.monitor import first_step_below, rolling_mean
+from toolcollapse.alarms import first_step_below, rolling_mean
 from toolcollapse.runtime import write_jsonl
 from toolcollapse.sweep import format_table, load_sweep, summarize_run
 

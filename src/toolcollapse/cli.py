@@ -1,4 +1,4 @@
-"""Command line: `toolcollapse sft | eval | rl | sweep | world`.
+"""Command line: `toolcollapse sft | eval | rl | sweep | diagnose | world`.
 
 The CLI only parses arguments, builds the validated config and calls one library
 function; a bad config or a missing path exits with status 2 before any work.
@@ -38,6 +38,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a sweep field, e.g. --set workers=1")
     p.add_argument("--summary-only", action="store_true", help="print the table of the runs already there")
+
+    p = sub.add_parser("diagnose", help="alarms, collapse step and figures of a run; the lead-time table of a "
+                       "sweep; four-state rates of another trainer's dumped rollouts")
+    p.add_argument("path", help="a run directory, a sweep YAML (configs/study/), or a dump of rollouts "
+                                "(JSONL of conversations, TRL completions table)")
+    p.add_argument("--tokenizer", help="a dump's tokenizer: a local directory (e.g. the policy checkpoint)")
+    p.add_argument("--format", dest="dump_format", default="auto", choices=("auto", "conversations", "trl", "verl"),
+                   help="a dump's format (default: detected from its fields)")
+    p.add_argument("--tools", help="a dump's tool specs (JSON list): enables the unknown-tool and argument checks")
+    p.add_argument("--batch-size", type=int, help="a dump without steps: rollouts per step (default: one step)")
+    p.add_argument("--out", help="where summary.json and the figures go (default: RUN_DIR/diagnose)")
+    p.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
+    p.add_argument("--baseline-warmup", type=int, default=None,
+                   help="warm-up (observations) of the detectors on the baseline series (default 5)")
 
     p = sub.add_parser("world", help="describe the environment and replay its oracle trajectories")
     p.add_argument("--show", type=int, default=1, help="print N example tasks of each split")
@@ -111,6 +125,33 @@ def _describe_world(cfg: RunConfig, show: int) -> None:
             print("    " + text.replace("\n", "\n    "))
 
 
+def _diagnose(args: argparse.Namespace) -> int:
+    from toolcollapse import diagnose
+
+    path = Path(args.path)
+    if path.is_dir() and ((path / "metrics.jsonl").is_file() or (path / "config.yaml").is_file()):
+        d = diagnose.diagnose_run(path, args.out, figures=not args.no_figures)
+        print(diagnose.format_run(d))
+        print(f"wrote {Path(args.out) if args.out else path / 'diagnose'}/summary.json"
+              + ("" if args.no_figures else " and control_tokens.png, states.png, errors.png"))
+    elif path.suffix in (".yaml", ".yml"):
+        from toolcollapse.sweep import load_sweep
+
+        _, specs = load_sweep(path)
+        print(diagnose.format_sweep(specs, args.baseline_warmup or diagnose.BASELINE_WARMUP))
+    elif path.exists():
+        if not args.tokenizer:
+            raise ConfigError(f"{path} is not a run directory; as a dump of rollouts it needs the tokenizer it was "
+                              f"sampled with: --tokenizer DIR")
+        if not Path(args.tokenizer).is_dir():
+            raise ConfigError(f"tokenizer directory not found: {args.tokenizer}")
+        print(diagnose.autopsy_dump(path, args.tokenizer, args.dump_format, args.tools, args.batch_size, args.out,
+                                    figures=not args.no_figures))
+    else:
+        raise ConfigError(f"not found: {path} (expected a run directory, a sweep YAML or a dump file)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -122,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
             from toolcollapse.sweep import load_sweep
 
             sweep, specs = load_sweep(args.sweep_file, args.overrides)
+        elif args.command == "diagnose":
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+            return _diagnose(args)  # its ConfigErrors (a bad dump, a missing path) exit 2 too
         else:
             cfg = load_config(args.config, args.overrides)
     except ConfigError as err:

@@ -127,6 +127,19 @@ class MonitorConfig:
     probe_size: int = 32  # oracle conversations of the training split in the probe set
     control_tokens: tuple[str, ...] = ("<tool_call>", "</tool_call>", "<|im_end|>", "<|im_start|>",
                                        "<tool_response>")
+    # Share of the policy-gradient norm from control-token positions, every N steps on a sub-batch (0: never)
+    grad_share_every: int = 10
+    grad_share_rows: int = 8  # rollouts with a non-zero advantage in that sub-batch
+    # Alarms (alarms.py): a detector on each probe series -- the control tokens' miss rates where required
+    # and peak mass where forbidden (empty alarm_series), or the metric names listed -- with a warm-up in
+    # probe observations. The first alarm of each series is printed, logged to alarms.jsonl and handled.
+    alarm_series: tuple[str, ...] = ()
+    alarm_detector: Literal["robust_z", "cusum"] = "robust_z"
+    alarm_warmup: int = 1  # the probe is deterministic: its step-0 value is the reference
+    alarm_threshold: float | None = None  # None: the detector's default (robust z 8, CUSUM 10)
+    alarm_min_scale: float = 0.005  # floor of the noise scale, in the series' units (probabilities)
+    on_alarm: Literal["log", "checkpoint", "stop"] = "log"  # stop: checkpoint, then end the run
+    collapse_hold: int = 3  # collapse: healthy rate below half its step-0 value for this many steps
 
 
 @dataclass(frozen=True)

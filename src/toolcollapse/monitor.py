@@ -164,97 +164,6 @@ def run_probe(model: Any, probe: ProbeSet, token_ids: Mapping[str, int]) -> dict
     return control_token_stats(logp, probe.slot_of, token_ids)
 
 
-# ----------------------------------------------------------------------------- collapse, from a metric series
-
-
-def rolling_mean(values: Sequence[float], window: int) -> list[float]:
-    """Trailing mean over the last `window` values (fewer at the start)."""
-    return [sum(values[max(0, i + 1 - window):i + 1]) / min(i + 1, window) for i in range(len(values))]
-
-
-def first_step_below(values: Sequence[float], threshold: float, hold: int = 1) -> int | None:
-    """Index of the first value from which `hold` consecutive values are all below `threshold`."""
-    run = 0
-    for i, v in enumerate(values):
-        run = run + 1 if v < threshold else 0
-        if run >= hold:
-            return i - hold + 1
-    return None
-
-
-# ----------------------------------------------------------------------------- detectors
-#
-# Change detectors over one metric series, causal: whether they fire at step t depends
-# on values up to t only. An alarm is the first step a detector fires. Both learn the
-# series' normal level from the first `warmup` values (or a trailing window) and never
-# fire before that. Defaults: under Gaussian noise, at most ~0.5 % of 60-step series
-# raise a false alarm (measured on 1000 series; tested on 200); the warm-up is the price.
-
-
-@dataclass
-class RobustZ:
-    """Rolling robust z-score: |x - median| / (1.4826 * MAD) over the previous `window`
-    values, firing above `threshold`. `min_scale` floors the MAD so that a flat series
-    (a probability pinned near 0) does not fire on float noise."""
-
-    threshold: float = 8.0
-    window: int = 30
-    warmup: int = 15
-    min_scale: float = 1e-3
-    direction: int = 1  # +1: fire on rises, -1: on falls, 0: both
-
-    def scores(self, values: Sequence[float]) -> list[float]:
-        out = []
-        for i, x in enumerate(values):
-            past = torch.tensor(values[max(0, i - self.window):i], dtype=torch.float64)
-            if i < self.warmup:
-                out.append(0.0)
-                continue
-            med = past.median().item()
-            scale = max(1.4826 * (past - med).abs().median().item(), self.min_scale)
-            out.append((x - med) / scale)
-        return out
-
-    def fires(self, values: Sequence[float]) -> list[bool]:
-        return [_over(z, self.threshold, self.direction) for z in self.scores(values)]
-
-
-@dataclass
-class Cusum:
-    """One-sided CUSUM (Page 1954) on deviations from the warm-up mean in warm-up
-    standard deviations: S_t = max(0, S_{t-1} + z_t - drift), firing when S_t > threshold."""
-
-    threshold: float = 10.0
-    drift: float = 1.5
-    warmup: int = 10
-    min_scale: float = 1e-3
-    direction: int = 1
-
-    def fires(self, values: Sequence[float]) -> list[bool]:
-        if len(values) <= self.warmup:
-            return [False] * len(values)
-        base = torch.tensor(values[:self.warmup], dtype=torch.float64)
-        mean, scale = base.mean().item(), max(base.std(unbiased=False).item(), self.min_scale)
-        out, up, down = [False] * self.warmup, 0.0, 0.0
-        for x in values[self.warmup:]:
-            z = (x - mean) / scale
-            up, down = max(0.0, up + z - self.drift), max(0.0, down - z - self.drift)
-            out.append((self.direction >= 0 and up > self.threshold) or (self.direction <= 0 and down > self.threshold))
-        return out
-
-
-def _over(z: float, threshold: float, direction: int) -> bool:
-    return (direction >= 0 and z > threshold) or (direction <= 0 and z < -threshold)
-
-
-def first_alarm(fires: Sequence[bool], steps: Sequence[int] | None = None) -> int | None:
-    """The step of the first True (steps[i], or i), or None."""
-    for i, f in enumerate(fires):
-        if f:
-            return steps[i] if steps is not None else i
-    return None
-
-
 # ----------------------------------------------------------------------------- statistics of the training forward
 
 
@@ -286,3 +195,25 @@ def sampled_control_stats(targets: torch.Tensor, logp: torch.Tensor, old_logp: t
             out[f"{prefix}/ratio_max_{label}"] = ratio[where].max().item()
             out[f"{prefix}/entropy_mean_{label}"] = entropy[where].mean().item()
     return out
+
+
+def control_gradient_share(per_token_loss: torch.Tensor, is_ctrl: torch.Tensor, params: Sequence[torch.Tensor],
+                           prefix: str = "ctrl") -> dict[str, float]:
+    """How much of the gradient of a token-mean loss comes from control-token positions.
+
+    per_token_loss: [M] with a graph to `params`; is_ctrl: [M] bool. The loss splits into
+    its control-token and other parts, L = L_ctrl + L_other; `grad_sq_share` is
+    |g_ctrl|^2 / (|g_ctrl|^2 + |g_other|^2), to compare with `token_share`, the control
+    tokens' share of positions. A few low-probability tokens dominating the gradient is a
+    known collapse route (SimpleTIR, arXiv 2509.02479). Empty when the loss has no gradient.
+    """
+    m = per_token_loss.numel()
+    parts = [(per_token_loss * is_ctrl).sum() / m, (per_token_loss * ~is_ctrl).sum() / m]
+    sq = []
+    for k, part in enumerate(parts):
+        grads = torch.autograd.grad(part, params, retain_graph=k == 0, allow_unused=True)
+        sq.append(sum(float(g.double().pow(2).sum()) for g in grads if g is not None))
+    if sq[0] + sq[1] == 0:
+        return {}
+    return {f"{prefix}/grad_sq_share": sq[0] / (sq[0] + sq[1]), f"{prefix}/grad_norm_ctrl": sq[0] ** 0.5,
+            f"{prefix}/grad_norm_other": sq[1] ** 0.5, f"{prefix}/token_share": is_ctrl.float().mean().item()}

@@ -12,7 +12,9 @@ One step:
   4. clip the gradient norm; a non-finite loss or norm skips the step, never the weights.
 Every `monitor.probe_every` steps, before the update, a fixed probe set of oracle
 conversations is teacher-forced through the policy and its control-token statistics
-are logged (monitor.py). With `grpo.skip_uninformative_steps`, a step whose groups all
+are logged (monitor.py), and alarm rules watch them (alarms.py): an alarm is printed,
+written to alarms.jsonl and handled (`monitor.on_alarm`: log, checkpoint, stop; or a
+handler passed to `run_rl`). With `grpo.skip_uninformative_steps`, a step whose groups all
 have equal rewards makes no optimizer step, so Adam's momentum cannot keep moving the
 weights on zero advantages.
 
@@ -34,12 +36,14 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
+from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from toolcollapse.advantages import group_advantages
+from toolcollapse.alarms import Alarm, Watcher, control_rules
 from toolcollapse.chat import CONTROL_TAGS, PieceEncoder
 from toolcollapse.checkpoint import complete_checkpoints, load_trainer_state, save_checkpoint
 from toolcollapse.config import RunConfig, dump_config, load_config
@@ -47,13 +51,14 @@ from toolcollapse.envs import make_env
 from toolcollapse.evaluate import sampling_params
 from toolcollapse.losses import aggregate, kl_k3, ppo_clip_loss
 from toolcollapse.model import load_model, logits_at, shared_prefix_len
-from toolcollapse.monitor import ProbeSet, build_probe, resolve_token_ids, run_probe, sampled_control_stats
+from toolcollapse.monitor import (ProbeSet, build_probe, control_gradient_share, resolve_token_ids, run_probe,
+                                  sampled_control_stats)
 from toolcollapse.optim import lr_at, make_optimizer, set_lr
 from toolcollapse.records import Episode, ErrorType, PolicyBatch, Task, TurnState
 from toolcollapse.rewards import rewards_tensor
 from toolcollapse.rollout import RolloutEngine
 from toolcollapse.sft import encode_tasks
-from toolcollapse.runtime import append_jsonl, progress, seed_everything, set_threads
+from toolcollapse.runtime import append_jsonl, progress, read_jsonl, seed_everything, set_threads
 
 RUN_CONFIG = "config.yaml"
 
@@ -158,18 +163,35 @@ def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torc
 
 
 def policy_step(model: Any, ref_model: Any | None, optimizer: torch.optim.Optimizer, episodes: Sequence[Episode],
-                rewards: torch.Tensor, g: Any, pad_id: int, control_ids: dict[str, int]) -> dict[str, float]:
-    """Advantages, then `updates_per_batch` optimizer steps on one batch of rollouts; their statistics."""
+                rewards: torch.Tensor, g: Any, pad_id: int, control_ids: dict[str, int],
+                grad_share_rows: int = 0) -> dict[str, float]:
+    """Advantages, then `updates_per_batch` optimizer steps on one batch of rollouts; their statistics.
+    With grad_share_rows > 0, first the control tokens' share of the gradient on that many rollouts."""
     advantages, adv_stats = group_advantages(rewards, g.group_size, g.scale_adv_by_std)
     if g.skip_uninformative_steps and adv_stats.frac_groups_informative == 0:
         return {**asdict(adv_stats), "skipped_uninformative": 1, "skipped_nonfinite": 0}
     batch = build_batch(episodes, advantages, pad_id)
+    share = grad_share(model, batch, g, control_ids, grad_share_rows) if grad_share_rows else {}
     ref_logp = reference_logprobs(ref_model, batch, g.micro_batch_size) if ref_model is not None else None
     collected: list = []  # per-token tensors of the last update's forward, for the control-token statistics
     updates = [grpo_update(model, ref_logp, optimizer, batch, g, collect=collected if k == g.updates_per_batch - 1
                            else None) for k in range(g.updates_per_batch)]
-    return {**asdict(adv_stats), **asdict(updates[-1]), **_control_stats(collected, control_ids),
+    return {**asdict(adv_stats), **asdict(updates[-1]), **_control_stats(collected, control_ids), **share,
             "skipped_uninformative": 0, "skipped_nonfinite": sum(u.skipped_nonfinite for u in updates)}
+
+
+def grad_share(model: Any, batch: PolicyBatch, g: Any, control_ids: dict[str, int], rows: int) -> dict[str, float]:
+    """Control tokens' share of the policy-gradient norm, on up to `rows` rollouts with a non-zero advantage
+    (an extra forward and two backward passes; the parameters' .grad is untouched)."""
+    picked = batch.advantages.nonzero()[:rows, 0]
+    if picked.numel() == 0:
+        return {}
+    mb = batch.rows(picked)
+    logp, _ = policy_logprobs(model, mb)
+    adv = mb.advantages[mb.target_mask.nonzero()[:, 0]]
+    pg, _ = ppo_clip_loss(logp, mb.old_logp[mb.target_mask], adv, g.clip_low, g.clip_high, g.dual_clip)
+    is_ctrl = torch.isin(mb.input_ids[mb.target_mask], torch.tensor(list(control_ids.values())))
+    return control_gradient_share(pg, is_ctrl, [p for p in model.parameters() if p.requires_grad])
 
 
 @torch.no_grad()
@@ -205,7 +227,7 @@ def sample_records(step: int, episodes: Sequence[Episode], rewards: torch.Tensor
                "text": decode(ep.tokens[ep.prompt_len:])}
 
 
-# ----------------------------------------------------------------------------- the loop
+# ----------------------------------------------------------------------------- tasks
 
 
 def task_order(tasks: Sequence[Task], seed: int) -> list[Task]:
@@ -218,8 +240,52 @@ def tasks_for_step(order: Sequence[Task], step: int, n: int) -> list[Task]:
     return [order[(start + i) % len(order)] for i in range(n)]
 
 
-def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False) -> Path:
-    """Train from `cfg.init` (or continue the run in `run_dir`)."""
+# ----------------------------------------------------------------------------- alarms
+
+
+@dataclass
+class AlarmContext:
+    """What an alarm handler may act on. A later adaptive schedule (rollback, LR cut, an SFT
+    phase) is a handler: it gets the live model and optimizer and can checkpoint or stop."""
+
+    step: int  # the step whose metrics raised the alarms; its update is done
+    run_dir: Path
+    model: Any
+    optimizer: torch.optim.Optimizer
+    save_checkpoint: Callable[[], Path]  # a resumable checkpoint after this step
+    stop: bool = False  # set True to end the run after this step
+
+
+AlarmHandler = Callable[[list[Alarm], AlarmContext], None]
+
+
+def config_handler(action: str) -> AlarmHandler:
+    """monitor.on_alarm: `log` (alarms are always printed and written to alarms.jsonl), `checkpoint`, `stop`."""
+
+    def handle(alarms: list[Alarm], ctx: AlarmContext) -> None:
+        if action in ("checkpoint", "stop"):
+            path = ctx.save_checkpoint()
+            tqdm.write(f"rl: checkpoint on alarm: {path}")
+        ctx.stop = action == "stop"
+
+    return handle
+
+
+def _watcher(cfg: RunConfig, run_dir: Path) -> Watcher:
+    """The run's alarm rules, fed the metrics of the steps already taken (a resumed run does not re-alarm)."""
+    watcher = Watcher(control_rules(cfg.monitor))
+    path = run_dir / "metrics.jsonl"
+    for row in read_jsonl(path) if path.is_file() else []:
+        watcher.update(row["step"], row)
+    return watcher
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmHandler | None = None) -> Path:
+    """Train from `cfg.init` (or continue the run in `run_dir`). `on_alarm` replaces the
+    monitor.on_alarm action."""
     run_dir = Path(run_dir)
     g = cfg.grpo
     set_threads(cfg.threads)
@@ -235,6 +301,7 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False) -> Path:
     dump_config(cfg, run_dir / RUN_CONFIG)
     _truncate_logs(run_dir, start)
     writer = _tensorboard(run_dir, start)
+    watcher, handle = _watcher(cfg, run_dir), on_alarm or config_handler(cfg.monitor.on_alarm)
 
     env = make_env(cfg.env, cfg.world)
     order = task_order(env.tasks(g.split), cfg.seed)
@@ -242,6 +309,7 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False) -> Path:
     engine = RolloutEngine(model, tokenizer, env)
     params = sampling_params(cfg, greedy=False)
     bar = progress(g.steps, "rl", initial=start)
+    m = cfg.monitor
     model.train()
     for step in range(start, g.steps):
         t_probe = time.time()
@@ -255,18 +323,34 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False) -> Path:
         lr = lr_at(step, g.lr, g.warmup_steps, g.steps, g.min_lr_ratio, g.schedule)
         set_lr(optimizer, lr)
         rewards = rewards_tensor(episodes, g.format_reward)
+        share_rows = m.grad_share_rows if m.grad_share_every and step % m.grad_share_every == 0 else 0
         update_stats = policy_step(model, ref_model, optimizer, episodes, rewards, g, tokenizer.pad_token_id,
-                                   probe_tokens)
+                                   probe_tokens, share_rows)
         metrics = {"step": step, "lr": lr, **probe_stats, **update_stats, **rollout_stats(episodes),
                    "seconds": time.time() - t_probe, "seconds_probe": t0 - t_probe,
                    "seconds_rollout": t_rollout - t0, "seconds_update": time.time() - t_rollout}
+        alarms = watcher.update(step, metrics)
+        metrics["alarms_total"] = len(watcher.alarms)
         _log(run_dir, writer, metrics, sample_records(step, episodes, rewards, engine.decode, g.samples_per_step))
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", healthy=f"{metrics['healthy_rate']:.2f}",
-                        informative=f"{metrics['frac_groups_informative']:.2f}", refresh=False)
+                        informative=f"{metrics['frac_groups_informative']:.2f}", alarms=len(watcher.alarms),
+                        refresh=False)
+        save = lambda: save_checkpoint(run_dir, step + 1, model, tokenizer, optimizer,  # noqa: E731
+                                       lambda p: dump_config(cfg, p / "toolcollapse.yaml"), g.keep_checkpoints)
+        ctx = AlarmContext(step, run_dir, model, optimizer, save)
+        if alarms:
+            for a in alarms:
+                tqdm.write(f"rl: {a.describe()}")
+                append_jsonl(run_dir / "alarms.jsonl", {"step": a.step, "series": a.rule.series,
+                                                        "detector": a.rule.detector, "value": a.value})
+            handle(alarms, ctx)
+        if ctx.stop:
+            tqdm.write(f"rl: stopped on alarm after step {step} (monitor.on_alarm={m.on_alarm}); "
+                       f"continue with --resume {run_dir}")
+            break
         if (step + 1) % g.checkpoint_every == 0 or step + 1 == g.steps:
-            save_checkpoint(run_dir, step + 1, model, tokenizer, optimizer,
-                            lambda p: dump_config(cfg, p / "toolcollapse.yaml"), g.keep_checkpoints)
+            save()
     bar.close()
     writer.close()
     return run_dir
@@ -300,7 +384,7 @@ def resume_config(run_dir: Path) -> RunConfig:
 
 def _truncate_logs(run_dir: Path, start: int) -> None:
     """Drop log lines of steps at or after `start`: a resumed run rewrites them."""
-    for name in ("metrics.jsonl", "samples.jsonl"):
+    for name in ("metrics.jsonl", "samples.jsonl", "alarms.jsonl"):
         path = run_dir / name
         if path.is_file():
             keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < start]

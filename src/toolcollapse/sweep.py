@@ -132,7 +132,7 @@ def summarize_run(run_dir: Path, steps: int) -> dict[str, Any]:
     rate at step 0 (the starting policy); a run `collapsed` when it starts at >= 90 %
     and its smoothed rate reaches <= 20 %.
     """
-    from toolcollapse.monitor import first_step_below, rolling_mean
+    from toolcollapse.alarms import first_step_below, rolling_mean
     from toolcollapse.runtime import read_jsonl
 
     path = Path(run_dir) / "metrics.jsonl"

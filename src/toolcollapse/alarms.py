@@ -1,0 +1,221 @@
+"""Early warning: change detectors over metric series, the alarms a run raises, and the
+collapse step they are judged against.
+
+A `Rule` watches one metric series with one detector; its **alarm** is the first step
+it fires (a rule fires once). Detectors are streaming and causal -- whether they fire at
+step t depends on the values up to t only -- so the live `Watcher` inside `rl` and the
+offline `replay` over a run's metrics.jsonl are the same code and find the same alarms.
+
+Both detectors learn a series' normal level from its first `warmup` observations and
+never fire before that; the warm-up is the price of not knowing the level in advance.
+`min_scale` floors the noise scale: the probe's series are deterministic functions of the
+policy (fixed inputs), flat until the policy moves, so without a floor a change of 1e-6
+would be infinitely significant. With the defaults (threshold 8, floor 0.005) a probe
+probability must move by 0.04 to fire.
+
+**Collapse** (for judging alarms): the first step from which the healthy-turn rate stays
+below half its initial value (the step-0 rate, the starting policy) for `hold`
+consecutive steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from toolcollapse.config import MonitorConfig
+from toolcollapse.monitor import SHORT
+
+
+# ----------------------------------------------------------------------------- detectors
+
+
+@dataclass
+class RobustZ:
+    """Rolling robust z-score: (x - median) / (1.4826 * MAD) over the previous `window`
+    values, firing beyond `threshold`. direction +1 fires on rises, -1 on falls, 0 both."""
+
+    threshold: float = 8.0
+    window: int = 30
+    warmup: int = 15
+    min_scale: float = 1e-3
+    direction: int = 1
+    _past: deque = field(default_factory=deque, init=False, repr=False)
+    _seen: int = field(default=0, init=False, repr=False)
+
+    def update(self, x: float) -> bool:
+        past = self._past
+        fire = False
+        if self._seen >= self.warmup:
+            values = torch.tensor(list(past), dtype=torch.float64)
+            med = values.median().item()
+            scale = max(1.4826 * (values - med).abs().median().item(), self.min_scale)
+            fire = _beyond((x - med) / scale, self.threshold, self.direction)
+        past.append(x)
+        self._seen += 1
+        if len(past) > self.window:
+            past.popleft()
+        return fire
+
+    def fires(self, values: Sequence[float]) -> list[bool]:
+        """Replay a whole series through a fresh copy of this detector."""
+        fresh = RobustZ(self.threshold, self.window, self.warmup, self.min_scale, self.direction)
+        return [fresh.update(x) for x in values]
+
+
+@dataclass
+class Cusum:
+    """One-sided CUSUM (Page 1954) on deviations from the warm-up mean in warm-up standard
+    deviations: S_t = max(0, S_{t-1} + z_t - drift), firing when S_t > threshold."""
+
+    threshold: float = 10.0
+    drift: float = 1.5
+    warmup: int = 10
+    min_scale: float = 1e-3
+    direction: int = 1
+    _base: list = field(default_factory=list, init=False, repr=False)
+    _up: float = field(default=0.0, init=False, repr=False)
+    _down: float = field(default=0.0, init=False, repr=False)
+
+    def update(self, x: float) -> bool:
+        if len(self._base) < self.warmup:
+            self._base.append(x)
+            return False
+        base = torch.tensor(self._base, dtype=torch.float64)
+        z = (x - base.mean().item()) / max(base.std(unbiased=False).item(), self.min_scale)
+        self._up = max(0.0, self._up + z - self.drift)
+        self._down = max(0.0, self._down - z - self.drift)
+        return (self.direction >= 0 and self._up > self.threshold) or (
+            self.direction <= 0 and self._down > self.threshold)
+
+    def fires(self, values: Sequence[float]) -> list[bool]:
+        fresh = Cusum(self.threshold, self.drift, self.warmup, self.min_scale, self.direction)
+        return [fresh.update(x) for x in values]
+
+
+def _beyond(z: float, threshold: float, direction: int) -> bool:
+    return (direction >= 0 and z > threshold) or (direction <= 0 and z < -threshold)
+
+
+DETECTORS = {"robust_z": RobustZ, "cusum": Cusum}
+
+
+def first_alarm(fires: Sequence[bool], steps: Sequence[int] | None = None) -> int | None:
+    """The step of the first True (steps[i], or i), or None."""
+    for i, f in enumerate(fires):
+        if f:
+            return steps[i] if steps is not None else i
+    return None
+
+
+# ----------------------------------------------------------------------------- rules and alarms
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One detector on one metric series. threshold None: the detector's default."""
+
+    series: str
+    detector: str = "robust_z"
+    direction: int = 1
+    warmup: int = 3  # observations of the series (a probe series has one every monitor.probe_every steps)
+    min_scale: float = 0.005
+    threshold: float | None = None
+
+    @property
+    def name(self) -> str:
+        arrow = {1: "up", -1: "down", 0: "both"}[self.direction]
+        return f"{self.detector}({self.series}, {arrow})"
+
+    def make(self) -> RobustZ | Cusum:
+        kwargs: dict[str, Any] = dict(warmup=self.warmup, min_scale=self.min_scale, direction=self.direction)
+        if self.threshold is not None:
+            kwargs["threshold"] = self.threshold
+        return DETECTORS[self.detector](**kwargs)
+
+
+@dataclass(frozen=True)
+class Alarm:
+    step: int
+    rule: Rule
+    value: float  # the series' value at the alarm
+
+    def describe(self) -> str:
+        return f"alarm at step {self.step}: {self.rule.name} = {self.value:.4g}"
+
+
+class Watcher:
+    """Feeds each step's metrics to every rule; returns the alarms raised at that step.
+
+    A series absent from a step (the probe runs every few steps) or non-finite there is
+    not an observation. Each rule raises at most one alarm."""
+
+    def __init__(self, rules: Iterable[Rule]):
+        self.rules = list(rules)
+        self._detectors = [r.make() for r in self.rules]
+        self.alarms: list[Alarm] = []
+        self._fired: set[int] = set()
+
+    def update(self, step: int, metrics: Mapping[str, Any]) -> list[Alarm]:
+        new = []
+        for i, (rule, det) in enumerate(zip(self.rules, self._detectors)):
+            x = metrics.get(rule.series)
+            if not isinstance(x, (int, float)) or not math.isfinite(x):
+                continue
+            if det.update(float(x)) and i not in self._fired:
+                self._fired.add(i)
+                new.append(Alarm(step, rule, float(x)))
+        self.alarms.extend(new)
+        return new
+
+
+def replay(rules: Iterable[Rule], rows: Iterable[Mapping[str, Any]]) -> list[Alarm]:
+    """The alarms a run with these rules raised (or would have), from its metric rows."""
+    watcher = Watcher(rules)
+    for row in rows:
+        watcher.update(int(row["step"]), row)
+    return watcher.alarms
+
+
+# ----------------------------------------------------------------------------- collapse, from a metric series
+
+
+def rolling_mean(values: Sequence[float], window: int) -> list[float]:
+    """Trailing mean over the last `window` values (fewer at the start)."""
+    return [sum(values[max(0, i + 1 - window):i + 1]) / min(i + 1, window) for i in range(len(values))]
+
+
+def first_step_below(values: Sequence[float], threshold: float, hold: int = 1) -> int | None:
+    """Index of the first value from which `hold` consecutive values are all below `threshold`."""
+    run = 0
+    for i, v in enumerate(values):
+        run = run + 1 if v < threshold else 0
+        if run >= hold:
+            return i - hold + 1
+    return None
+
+
+def collapse_step(healthy: Sequence[float], hold: int = 3, fraction: float = 0.5) -> int | None:
+    """First step from which the healthy-turn rate stays below `fraction` of its step-0 value for `hold` steps."""
+    return first_step_below(healthy, fraction * healthy[0], hold) if healthy else None
+
+
+# ----------------------------------------------------------------------------- the default rules
+
+REQUIRED_SERIES = tuple(f"probe/{t}/miss_required" for t in ("tool_call", "tool_call_end", "im_end"))
+
+
+def control_series(control_tokens: Sequence[str]) -> list[str]:
+    """The probe series the alarm watches: miss rates where required, peak mass where forbidden."""
+    return [*REQUIRED_SERIES, *(f"probe/{SHORT.get(t, t)}/p_forbidden_max" for t in control_tokens)]
+
+
+def control_rules(m: MonitorConfig, detector: str | None = None) -> list[Rule]:
+    """The run's alarm rules: one detector, rising, on each of `m.alarm_series` (default: control_series)."""
+    series = m.alarm_series or control_series(m.control_tokens)
+    return [Rule(s, detector or m.alarm_detector, 1, m.alarm_warmup, m.alarm_min_scale, m.alarm_threshold)
+            for s in series]
