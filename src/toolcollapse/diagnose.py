@@ -194,7 +194,8 @@ def format_sweep(specs: Sequence[Any], baseline_warmup: int) -> str:
         path = Path(spec.run_dir) / "metrics.jsonl"
         rows = read_jsonl(path) if path.is_file() else []
         if len(rows) < spec.cfg.grpo.steps:
-            lines.append(f"{spec.run_dir}: {len(rows)}/{spec.cfg.grpo.steps} steps, left out until it finishes")
+            lines.append(f"{spec.run_dir}: " + (f"{len(rows)}/{spec.cfg.grpo.steps} steps, left out until it "
+                                                 f"finishes" if rows else "not run"))
             continue
         m = spec.cfg.monitor
         d = diagnose_rows(rows, control_rules(m), [], m.collapse_hold, run=str(spec.run_dir))

@@ -271,6 +271,18 @@ def config_handler(action: str) -> AlarmHandler:
     return handle
 
 
+def _raise(alarms: list[Alarm], ctx: AlarmContext, handle: AlarmHandler) -> bool:
+    """Print and record the alarms, run the handler; True if it asks the run to stop."""
+    for a in alarms:
+        tqdm.write(f"rl: {a.describe()}")
+        append_jsonl(ctx.run_dir / "alarms.jsonl", {"step": a.step, "series": a.rule.series,
+                                                    "detector": a.rule.detector, "value": a.value})
+    handle(alarms, ctx)
+    if ctx.stop:
+        tqdm.write(f"rl: stopped on alarm after step {ctx.step}; continue with --resume {ctx.run_dir}")
+    return ctx.stop
+
+
 def _watcher(cfg: RunConfig, run_dir: Path) -> Watcher:
     """The run's alarm rules, fed the metrics of the steps already taken (a resumed run does not re-alarm)."""
     watcher = Watcher(control_rules(cfg.monitor))
@@ -314,7 +326,7 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
     for step in range(start, g.steps):
         t_probe = time.time()
         probe_stats = {}  # measured before this step's update: step 0 is the initial policy
-        if probe is not None and step % cfg.monitor.probe_every == 0:
+        if probe is not None and step % m.probe_every == 0:
             probe_stats = run_probe(model, probe, probe_tokens)
         t0 = time.time()
         tasks = tasks_for_step(order, step, g.prompts_per_step)
@@ -338,16 +350,7 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
                         refresh=False)
         save = lambda: save_checkpoint(run_dir, step + 1, model, tokenizer, optimizer,  # noqa: E731
                                        lambda p: dump_config(cfg, p / "toolcollapse.yaml"), g.keep_checkpoints)
-        ctx = AlarmContext(step, run_dir, model, optimizer, save)
-        if alarms:
-            for a in alarms:
-                tqdm.write(f"rl: {a.describe()}")
-                append_jsonl(run_dir / "alarms.jsonl", {"step": a.step, "series": a.rule.series,
-                                                        "detector": a.rule.detector, "value": a.value})
-            handle(alarms, ctx)
-        if ctx.stop:
-            tqdm.write(f"rl: stopped on alarm after step {step} (monitor.on_alarm={m.on_alarm}); "
-                       f"continue with --resume {run_dir}")
+        if alarms and _raise(alarms, AlarmContext(step, run_dir, model, optimizer, save), handle):
             break
         if (step + 1) % g.checkpoint_every == 0 or step + 1 == g.steps:
             save()
