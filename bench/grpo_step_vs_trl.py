@@ -56,7 +56,7 @@ def trl(checkpoint: str, steps: int, threads: int) -> tuple[list[float], float]:
 
     torch.set_num_threads(threads)
     cfg = load_config(Path(checkpoint) / "toolcollapse.yaml")
-    env = make_env(cfg.env, cfg.world)
+    env = make_env(cfg)
     tasks = env.tasks("train")[:PROMPTS * steps]
     data = Dataset.from_dict({"prompt": [render_text(t.prompt, add_generation_prompt=True) for t in tasks]})
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)

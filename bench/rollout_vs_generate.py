@@ -76,7 +76,7 @@ def main() -> None:
     cfg = load_config(f"{args.checkpoint}/toolcollapse.yaml")
     model = load_model(args.checkpoint).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
-    env = make_env(cfg.env, cfg.world)
+    env = make_env(cfg)
     tasks = env.tasks(args.split)[:args.tasks]
     params = SamplingParams(max_turns=cfg.rollout.max_turns, max_new_tokens=cfg.rollout.max_new_tokens,
                             max_seq_len=cfg.model.max_seq_len, greedy=True, batch_size=len(tasks))

@@ -7,6 +7,7 @@ every episode, exactly as the parser labels them.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import time
@@ -117,7 +118,9 @@ class ReplayResult:
 def replay_references(env: Environment, tasks: Sequence[Task], split: str) -> ReplayResult:
     """Feed each task's ground-truth assistant turns through the parser and the environment,
     as a policy that writes exactly the reference would be: every turn should parse healthy,
-    every tool reply should equal the reference's, every episode should succeed."""
+    the observations after each turn should equal the reference's messages up to its next
+    assistant turn (a tool reply after a call; nothing after the final answer; the next
+    user message after a multi-turn task's intermediate answer), every episode should succeed."""
     healthy = turns = wins = 0
     failures = []
     for task in tasks:
@@ -130,7 +133,7 @@ def replay_references(env: Environment, tasks: Sequence[Task], split: str) -> Re
             turns += 1
             healthy += parsed.state.healthy
             observations = env.step(state, parsed)
-            expected = list(task.reference[i + 1:i + 2]) if msg.tool_call is not None else []
+            expected = list(itertools.takewhile(lambda m: m.role != "assistant", task.reference[i + 1:]))
             ok &= parsed.state.healthy and observations == expected
         success = env.success(state)
         wins += success
@@ -152,7 +155,7 @@ def run_eval(checkpoint: str | Path, cfg: RunConfig, out_path: str | Path | None
     checkpoint = Path(checkpoint)
     model = load_model(checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    env = make_env(cfg.env, cfg.world)
+    env = make_env(cfg)
     tasks = env.tasks(cfg.eval.split, cfg.eval.n_tasks)
     engine = RolloutEngine(model, tokenizer, env)
     t0 = time.time()

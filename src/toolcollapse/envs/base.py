@@ -27,6 +27,7 @@ class EpisodeState:
 
 class Environment(Protocol):
     name: str
+    splits: tuple[str, ...]
 
     def tasks(self, split: str, n: int | None = None) -> list[Task]: ...
 

@@ -20,6 +20,7 @@ _ANSWER = re.compile(r"answer is\s*(.*?)\s*\.?\s*$", re.I | re.S)
 
 class ToolWorld:
     name = "toolworld"
+    splits = SPLITS
 
     def __init__(self, cfg: WorldConfig = WorldConfig()):
         self.cfg = cfg

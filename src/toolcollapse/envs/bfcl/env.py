@@ -1,0 +1,167 @@
+"""BFCL v4 multi-turn as an `Environment`: several user turns, live backends, BFCL's state check.
+
+An episode walks the entry's user turns. An assistant call runs on the episode's live
+backend instances and its result is the observation; a text reply closes the user
+turn, and the next user message is the observation (at a miss_func turn, that message
+carries the held-out docs and `state.tools` gains them); the reply to the last user
+turn ends the episode. Every call the model wrote as a parseable call is recorded
+under its user turn -- also those rejected without running (unknown or private name),
+as BFCL records every decoded call -- and `success` gives BFCL's verdict on them
+(`checker.check_turns`, on fresh instances). The parser's verdict labels a turn but
+does not gate execution: BFCL runs whatever decodes, so a documented function runs even
+with arguments its schema rejects (Python's TypeError, if any, is the result) or when a
+miss_func entry has not revealed it yet.
+
+Departures from BFCL's inference loop, forced by the one-call chat protocol: a call
+that does not parse gets an error observation and the turn goes on (BFCL ends the turn
+on an undecodable reply); only the first of several calls in one assistant turn runs;
+BFCL's 20-steps-per-turn cap is left to the rollout's `max_turns`. An episode that
+stops before the last user turn was reached fails, as BFCL's force-terminated entries do.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from toolcollapse.chat import render_text
+from toolcollapse.config import BFCLConfig
+from toolcollapse.envs.base import EpisodeState
+from toolcollapse.envs.bfcl.backend import World, execute
+from toolcollapse.envs.bfcl.checker import Verdict, check_turns
+from toolcollapse.envs.bfcl.data import (
+    SPLITS,
+    Entry,
+    bfcl_data_dir,
+    check_category,
+    load_entries,
+    split_entries,
+)
+from toolcollapse.envs.bfcl.schema import load_class_docs
+from toolcollapse.envs.bfcl.tasks import (
+    ClassDocs,
+    as_literal,
+    build_task,
+    new_world,
+    tools_added_at,
+    tools_at_start,
+    user_message,
+)
+from toolcollapse.parser import tool_table
+from toolcollapse.records import Message, ParsedTurn, Task, ToolCall
+from toolcollapse.tools import ToolSpec
+
+
+@dataclass
+class Progress:
+    """An episode's BFCL state, kept in `EpisodeState.extra["bfcl"]`."""
+
+    entry: Entry
+    world: World  # the live instances the model's calls run on
+    turn: int = 0  # the user turn in progress
+    calls: list[list[ToolCall]] = field(default_factory=lambda: [[]])  # per user turn reached
+    rejected: list[str] = field(default_factory=list)  # error observations of calls that ran nothing
+    verdict: Verdict | None = None  # set by `success`
+
+
+class BFCL:
+    name = "bfcl"
+    splits = SPLITS
+
+    def __init__(self, cfg: BFCLConfig = BFCLConfig()):
+        for category in cfg.categories:
+            check_category(category)
+        self.cfg = cfg
+        self.data_dir = bfcl_data_dir(cfg.data_dir)
+        self._docs: dict[str, list[ToolSpec]] = {}
+        self._entries: dict[str, Entry] = {}
+        self._categories: dict[str, list[Entry]] = {}
+        self._splits: dict[str, list[Task]] = {}
+
+    def tasks(self, split: str, n: int | None = None) -> list[Task]:
+        if split not in SPLITS:
+            raise ValueError(f"unknown BFCL split {split!r}; choose one of {', '.join(SPLITS)}")
+        if split not in self._splits:
+            self._splits[split] = [build_task(e, split, self.docs(e)) for e in self.entries(split)]
+        tasks = self._splits[split]
+        return tasks if n is None else tasks[:n]
+
+    def entries(self, split: str) -> list[Entry]:
+        """The split's entries, category after category (in `cfg.categories` order)."""
+        out: list[Entry] = []
+        for category in self.cfg.categories:
+            parts = split_entries(self._load(category), self.cfg.split_seed, self.cfg.n_train, self.cfg.n_test)
+            out += parts[split]
+        return out
+
+    def entry(self, task: Task) -> Entry:
+        if task.id not in self._entries:
+            self._load(task.meta["category"])
+        return self._entries[task.id]
+
+    def docs(self, entry: Entry) -> ClassDocs:
+        for c in entry.classes:
+            if c not in self._docs:
+                self._docs[c] = load_class_docs(self.data_dir, c)
+        return {c: self._docs[c] for c in entry.classes}
+
+    def tokenizer_corpus(self, n_conversations: int) -> Iterator[str]:
+        """Reference conversations of the train split (their system prompts carry every doc)."""
+        for task in self.tasks("train")[:n_conversations]:
+            yield render_text(list(task.prompt) + list(task.reference))
+
+    def reset(self, task: Task) -> EpisodeState:
+        entry = self.entry(task)
+        docs = self.docs(entry)
+        progress = Progress(entry, new_world(entry, docs))
+        return EpisodeState(task=task, tools=tool_table(tools_at_start(entry, docs)), extra={"bfcl": progress})
+
+    def step(self, state: EpisodeState, turn: ParsedTurn) -> list[Message]:
+        if turn.end == "call":
+            state.n_calls += 1
+            return [self._run_call(state.extra["bfcl"], turn)]
+        if turn.end == "answer":
+            state.final_text = turn.text
+            return self._next_user_turn(state)
+        state.done = True
+        return []
+
+    def success(self, state: EpisodeState) -> bool:
+        progress: Progress = state.extra["bfcl"]
+        docs = self.docs(progress.entry)
+        model_turns = [[as_literal(c) for c in turn] for turn in progress.calls]
+        progress.verdict = check_turns(new_world(progress.entry, docs), new_world(progress.entry, docs),
+                                       model_turns, progress.entry.ground_truth)
+        return progress.verdict.valid
+
+    # ------------------------------------------------------------------ internals
+
+    def _run_call(self, progress: Progress, turn: ParsedTurn) -> Message:
+        if turn.call is None:
+            return Message("tool", json.dumps({"error": f"could not parse the tool call: {turn.detail}"}))
+        progress.calls[progress.turn].append(turn.call)
+        result, ran = execute(progress.world, as_literal(turn.call))
+        if not ran:
+            progress.rejected.append(result)
+        return Message("tool", result)
+
+    def _next_user_turn(self, state: EpisodeState) -> list[Message]:
+        progress: Progress = state.extra["bfcl"]
+        entry = progress.entry
+        if progress.turn + 1 >= len(entry.ground_truth):
+            state.done = True
+            return []
+        progress.turn += 1
+        progress.calls.append([])
+        docs = self.docs(entry)
+        added = tools_added_at(entry, progress.turn, docs)
+        if added:
+            state.tools = {**state.tools, **tool_table(added)}
+        return [user_message(entry, progress.turn, docs)]
+
+    def _load(self, category: str) -> list[Entry]:
+        if category not in self._categories:
+            self._categories[category] = load_entries(self.data_dir, category)
+            self._entries.update((e.id, e) for e in self._categories[category])
+        return self._categories[category]
