@@ -121,8 +121,9 @@ class PieceEncoder:
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
-        self.special_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in CONTROL_TAGS}
-        missing = [t for t, i in self.special_ids.items() if i is None or i == tokenizer.unk_token_id]
+        vocab = tokenizer.get_vocab()  # not `== unk_token_id`: SmolLM2's unk token is <|endoftext|> itself
+        missing = [t for t in CONTROL_TAGS if t not in vocab]
+        self.special_ids = {t: vocab.get(t) for t in CONTROL_TAGS}
         if missing:
             raise ValueError(f"tokenizer lacks control tokens {missing}; add them as special tokens first")
         self._cache: dict[bool, dict[str, list[int]]] = {False: {}, True: {}}

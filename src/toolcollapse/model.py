@@ -39,12 +39,20 @@ def build_model(preset: str, vocab_size: int, max_seq_len: int, pad_token_id: in
     return model
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, trainable: bool = False) -> PreTrainedModel:
+    """A checkpoint directory: a full `save_pretrained` model, or LoRA adapters (peft's
+    adapter_config.json) on top of the base model they name, trainable or frozen."""
     path = Path(path)
+    if (path / "adapter_config.json").is_file():
+        from peft import PeftConfig, PeftModel
+
+        base = load_model(PeftConfig.from_pretrained(path).base_model_name_or_path, dtype)
+        return PeftModel.from_pretrained(base, path, is_trainable=trainable)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a checkpoint directory (no config.json); "
                                 "pass the directory that `toolcollapse sft` wrote")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    # the resolved path is what LoRA adapters trained on this model record as their base
+    return AutoModelForCausalLM.from_pretrained(path.resolve(), dtype=dtype)
 
 
 def n_params(model: torch.nn.Module) -> int:
@@ -53,7 +61,8 @@ def n_params(model: torch.nn.Module) -> int:
 
 def cache_kwarg(model: PreTrainedModel) -> str:
     """Name of the KV-cache argument of `model.forward` (`cache` from transformers 5.2x)."""
-    params = inspect.signature(model.forward).parameters
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model passes kwargs on
+    params = inspect.signature(base.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 

@@ -23,6 +23,9 @@ recorded at sampling time (temperature 1, no top-p, so they are the policy's own
 to float error) instead of a second forward pass; the learning rate defaults to a
 value for the tiny tier, not 1e-6.
 
+With `model.lora.rank > 0` the policy is LoRA adapters (peft) on the initial model,
+and checkpoints hold the adapters; the reference stays the full initial model.
+
 The run directory holds `config.yaml`, `metrics.jsonl` (one line per step),
 `samples.jsonl` (decoded rollouts), TensorBoard events in `tb/`, and checkpoints that
 `--resume` continues from exactly (same seed: the same metrics as an uninterrupted run).
@@ -51,6 +54,7 @@ from toolcollapse.envs import make_env
 from toolcollapse.evaluate import sampling_params
 from toolcollapse.losses import aggregate, kl_k3, ppo_clip_loss
 from toolcollapse.model import load_model, logits_at, shared_prefix_len
+from toolcollapse.sources import add_control_tokens, apply_lora, ready_for_chatml
 from toolcollapse.monitor import (ProbeSet, build_probe, control_gradient_share, resolve_token_ids, run_probe,
                                   sampled_control_stats)
 from toolcollapse.optim import lr_at, make_optimizer, set_lr
@@ -304,9 +308,17 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
     seed_everything(cfg.seed)
     done = complete_checkpoints(run_dir) if resume else []
     source = done[-1] if done else Path(cfg.init)
-    model = load_model(source)
+    model = load_model(source, trainable=True)  # LoRA adapters of a resumed run come back trainable
     tokenizer = AutoTokenizer.from_pretrained(source)
-    ref_model = load_model(cfg.init).eval() if g.kl_coef > 0 else None
+    if not done:  # RL straight from a Hugging Face model (the paper's setting): add the tags it lacks
+        for note in ready_for_chatml(model, tokenizer)[1]:
+            tqdm.write(f"rl: model: {note}")
+        if cfg.model.lora.rank > 0:
+            model = apply_lora(model, cfg.model.lora, [])
+    ref_model = None
+    if g.kl_coef > 0:  # the initial model, resized the same way (the new rows are a function of the old ones)
+        ref_model = load_model(cfg.init).eval()
+        add_control_tokens(ref_model, AutoTokenizer.from_pretrained(cfg.init))
     optimizer = make_optimizer(model, g.lr, g.weight_decay, g.betas)
     start = load_trainer_state(done[-1], optimizer) if done else 0
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -315,7 +327,7 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
     writer = _tensorboard(run_dir, start)
     watcher, handle = _watcher(cfg, run_dir), on_alarm or config_handler(cfg.monitor.on_alarm)
 
-    env = make_env(cfg.env, cfg.world)
+    env = make_env(cfg)
     order = task_order(env.tasks(g.split), cfg.seed)
     probe, probe_tokens = _probe(cfg, env, tokenizer)
     engine = RolloutEngine(model, tokenizer, env)

@@ -1,11 +1,13 @@
 """Supervised fine-tuning on oracle trajectories (loss on assistant tokens only).
 
-`run_sft` trains a tokenizer on the world's text, builds a Llama preset from
-scratch, and trains it on the ground-truth conversations of the train split; the
+`run_sft` trains a tokenizer on the world's text and builds a Llama preset from
+scratch (`model.source: scratch`), or loads a pretrained model (SmolLM2-135M, a local
+Hugging Face directory; toolcollapse.sources), optionally with LoRA adapters, and
+trains it on the ground-truth conversations of the train split; the
 loss covers exactly the tokens a rollout would sample (`Piece.trainable`: the call
 or answer and its stop token), never the prompt, tool results or template tokens.
-The checkpoint is a standard `save_pretrained` directory plus `toolcollapse.yaml`
-(the resolved config) and `metrics.jsonl`.
+The checkpoint is a standard `save_pretrained` directory (LoRA adapters merged into
+the weights) plus `toolcollapse.yaml` (the resolved config) and `metrics.jsonl`.
 
 With `sft.copy_warmup_steps`, training starts with a copy warm-up: batches of the
 user question and the first call only, without the ~650-token system prompt, where
@@ -37,6 +39,7 @@ from toolcollapse.model import build_model, logits_at, n_params, shared_prefix_l
 from toolcollapse.optim import lr_at, make_optimizer, set_lr
 from toolcollapse.records import Task
 from toolcollapse.runtime import append_jsonl, progress, seed_everything, set_threads
+from toolcollapse.sources import SCRATCH, apply_lora, load_pretrained, merged
 from toolcollapse.tokenizer import train_tokenizer
 
 CONFIG_FILE = "toolcollapse.yaml"
@@ -181,6 +184,23 @@ def train_phase(model: Any, phase: Phase, sc: Any, rng: random.Random, pad_id: i
     return record
 
 
+def sft_model(cfg: RunConfig, env: Any) -> tuple[Any, Any, str]:
+    """(model, tokenizer, a description) for `cfg.model.source`."""
+    mc = cfg.model
+    if mc.source != SCRATCH:
+        prepared = load_pretrained(mc.source, mc.cache_dir, mc.lora)
+        for note in prepared.notes:
+            print(f"sft: model: {note}")
+        return prepared.model, prepared.tokenizer, f"pretrained {mc.source}"
+    tokenizer = train_tokenizer(env.tokenizer_corpus(cfg.tokenizer.corpus_tasks), cfg.tokenizer.vocab_size,
+                                cfg.tokenizer.single_digits)
+    model = build_model(mc.preset, len(tokenizer), mc.max_seq_len, tokenizer.pad_token_id, tokenizer.eos_token_id,
+                        cfg.seed)
+    if mc.lora.rank > 0:
+        model = apply_lora(model, mc.lora, [])
+    return model, tokenizer, f"{mc.preset} model from scratch" + (f", LoRA rank {mc.lora.rank}" if mc.lora.rank else "")
+
+
 def run_sft(cfg: RunConfig, out_dir: str | Path | None = None) -> Path:
     out = Path(out_dir) if out_dir is not None else Path(cfg.out_dir) / "sft"
     out.mkdir(parents=True, exist_ok=True)
@@ -189,9 +209,8 @@ def run_sft(cfg: RunConfig, out_dir: str | Path | None = None) -> Path:
     seed_everything(cfg.seed)
     t0 = time.time()
 
-    env = make_env(cfg.env, cfg.world)
-    tokenizer = train_tokenizer(env.tokenizer_corpus(cfg.tokenizer.corpus_tasks), cfg.tokenizer.vocab_size,
-                                cfg.tokenizer.single_digits)
+    env = make_env(cfg)
+    model, tokenizer, what = sft_model(cfg, env)
     encoder = PieceEncoder(tokenizer)
     sc = cfg.sft
     train = encode_tasks(encoder, env.tasks("train")[:min(cfg.world.n_train, sc.steps * sc.batch_size)])
@@ -201,10 +220,9 @@ def run_sft(cfg: RunConfig, out_dir: str | Path | None = None) -> Path:
     if longest > cfg.model.max_seq_len:
         raise ValueError(f"a training conversation has {longest} tokens > model.max_seq_len={cfg.model.max_seq_len}")
 
-    model = build_model(cfg.model.preset, len(tokenizer), cfg.model.max_seq_len, tokenizer.pad_token_id,
-                        tokenizer.eos_token_id, cfg.seed)
     model.train()
-    print(f"sft: {cfg.model.preset} model, {n_params(model) / 1e6:.2f} M params, vocab {len(tokenizer)}, "
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(f"sft: {what}, {n_params(model) / 1e6:.2f} M params ({trained / 1e6:.2f} M trained), vocab {len(tokenizer)}, "
           f"{len(train)} conversations (mean {sum(len(x) for x, _ in train) / len(train):.0f} tokens), "
           f"{sc.copy_warmup_steps} copy warm-up steps x {sc.copy_warmup_batch_size} + "
           f"{sc.steps} steps x {sc.batch_size}; setup {time.time() - t0:.1f}s")
@@ -225,7 +243,7 @@ def run_sft(cfg: RunConfig, out_dir: str | Path | None = None) -> Path:
                              lambda: validate(model, val, val_kinds, tokenizer.pad_token_id, sc.batch_size), log)
         done += phase.steps
 
-    model.save_pretrained(out)
+    merged(model).save_pretrained(out)
     tokenizer.save_pretrained(out)
     dump_config(cfg, out / CONFIG_FILE)
     final = {k: round(v, 4) for k, v in record.items() if k.startswith("val/")}
