@@ -418,3 +418,12 @@ def test_the_engine_walks_every_user_turn_and_stops_after_the_last(env, tokenize
         assert all(t.parsed.state == TurnState.HEALTHY_RESPONSE for t in ep.turns)
         assert [t.observation for t in ep.turns] == users + [None]
         assert ep.success is False  # no calls where the ground truth needs some
+
+
+@pytest.mark.parametrize("name,arguments", [("power", {"base": 9, "exponent": 99999999999}),
+                                            ("square_root", {"number": 2, "precision": 10 ** 9}),
+                                            ("logarithm", {"value": 2, "base": 10, "precision": float("inf")})])
+def test_arguments_that_would_stall_the_run_are_refused(name, arguments):
+    world = World({}, {name: lambda **kw: pytest.fail("ran")})
+    text, ran = execute(world, LiteralCall(name, (), arguments))
+    assert not ran and "exceeds 1000" in text

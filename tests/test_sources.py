@@ -10,6 +10,7 @@ import torch
 from transformers import AutoTokenizer
 
 from gguf_fixture import write_tiny_gguf
+from test_rl import TIMING_KEYS
 from toolcollapse import sources
 from toolcollapse.chat import CONTROL_TAGS, ENDOFTEXT, PieceEncoder, render_text
 from toolcollapse.cli import main
@@ -157,7 +158,8 @@ def test_pretrained_lora_sft_rl_resume_eval(tiny_hf_dir, tmp_path):
     shutil.rmtree(step2)  # as if killed during step 2: resume loads the step-1 adapters, trainable
     assert main(["rl", "--resume", str(tmp_path / "rl")]) == 0
     again = read_jsonl(tmp_path / "rl" / "metrics.jsonl")
-    assert [r["step"] for r in again] == [0, 1] and again[1]["reward_mean"] == first[1]["reward_mean"]
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]  # noqa: E731
+    assert [r["step"] for r in again] == [0, 1] and strip(again) == strip(first)  # step 1 replayed exactly
     assert main(["eval", str(step2), "--n", "2"]) == 0
     assert (step2 / "eval" / "test.jsonl").is_file()
 
@@ -178,13 +180,40 @@ def test_real_smollm2_loads_with_tool_tokens():
 
 
 @pytest.mark.slow
-def test_rl_straight_from_a_hf_model_adds_the_tags(tiny_hf_dir, tmp_path):
-    """The paper's setting: GRPO from the instruct model itself, no SFT; policy and KL reference agree."""
-    rl = SMALL + ["grpo.steps=1", "grpo.prompts_per_step=1", "grpo.group_size=2", "grpo.kl_coef=0.1",
-                  "monitor.probe_every=0", "monitor.grad_share_every=0"]
-    args = ["rl", "--config", "configs/tiny_rl.yaml", "--init", str(tiny_hf_dir), "--out", str(tmp_path / "rl")]
+@pytest.mark.parametrize("lora", [False, True])
+def test_rl_straight_from_a_hf_model_adds_the_tags(tiny_hf_dir, tmp_path, lora):
+    """The paper's setting: GRPO from the instruct model itself, no SFT; policy and KL reference
+    agree; with LoRA the adapter checkpoints (which carry the grown embeddings) resume and evaluate."""
+    rl = SMALL + (LORA if lora else []) + [
+        "grpo.steps=2", "grpo.prompts_per_step=1", "grpo.group_size=2", "grpo.kl_coef=0.1",
+        "grpo.checkpoint_every=1", "grpo.keep_checkpoints=3", "monitor.probe_every=0", "monitor.grad_share_every=0"]
+    run = tmp_path / "rl"
+    args = ["rl", "--config", "configs/tiny_rl.yaml", "--init", str(tiny_hf_dir), "--out", str(run)]
     assert main(args + _sets(rl)) == 0
-    saved = tmp_path / "rl" / "checkpoints" / "step_000001"
+    saved = run / "checkpoints" / "step_000001"
+    assert (saved / "adapter_config.json").is_file() == lora
     encoder = PieceEncoder(AutoTokenizer.from_pretrained(saved))
     assert len(set(encoder.special_ids.values())) == len(CONTROL_TAGS)
-    assert read_jsonl(tmp_path / "rl" / "metrics.jsonl")[0]["kl_ref"] == pytest.approx(0.0, abs=1e-6)
+    assert read_jsonl(run / "metrics.jsonl")[0]["kl_ref"] == pytest.approx(0.0, abs=1e-6)
+    assert load_model(saved).get_input_embeddings().weight.shape[0] == len(encoder.tokenizer)
+    shutil.rmtree(run / "checkpoints" / "step_000002")
+    assert main(["rl", "--resume", str(run)]) == 0
+    assert main(["eval", str(run / "checkpoints" / "step_000002"), "--n", "1"]) == 0
+
+
+def test_non_special_tags_are_made_special_so_tool_output_cannot_inject_them(tiny_hf_dir):
+    from transformers import AddedToken, AutoModelForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_hf_dir)
+    tokenizer.add_tokens([AddedToken("<tool_call>", special=False)])  # how some models ship their tags
+    model = AutoModelForCausalLM.from_pretrained(tiny_hf_dir)
+    model.resize_token_embeddings(len(tokenizer))
+    tag_id = tokenizer.convert_tokens_to_ids("<tool_call>")
+    spelled = tokenizer("<tool_call>", add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert spelled == [tag_id]  # the hole: a non-special added token is matched even in "literal" text
+    added, notes = sources.ready_for_chatml(model, tokenizer)
+    assert "<tool_call>" not in added and any("cannot inject" in n for n in notes)
+    encoder = PieceEncoder(tokenizer)
+    assert encoder.special_ids["<tool_call>"] == tag_id  # same id
+    [as_output] = encoder.encode_texts(["<tool_call>"], literal=True)
+    assert tag_id not in as_output  # tool output spelling the tag stays text

@@ -125,7 +125,8 @@ class PieceEncoder:
         missing = [t for t in CONTROL_TAGS if t not in vocab]
         self.special_ids = {t: vocab.get(t) for t in CONTROL_TAGS}
         if missing:
-            raise ValueError(f"tokenizer lacks control tokens {missing}; add them as special tokens first")
+            raise ValueError(f"tokenizer lacks control tokens {missing}: load pretrained models through "
+                             "model.source (toolcollapse.sources.add_control_tokens adds them)")
         self._cache: dict[bool, dict[str, list[int]]] = {False: {}, True: {}}
         self.max_cached_chars = 8192
         self.max_cache_entries = 200_000

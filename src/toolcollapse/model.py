@@ -45,8 +45,17 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, trainable: 
     path = Path(path)
     if (path / "adapter_config.json").is_file():
         from peft import PeftConfig, PeftModel
+        from transformers import AutoTokenizer
 
-        base = load_model(PeftConfig.from_pretrained(path).base_model_name_or_path, dtype)
+        from toolcollapse.sources import add_control_tokens
+
+        base_path = Path(PeftConfig.from_pretrained(path).base_model_name_or_path)
+        if not (base_path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} holds LoRA adapters on {base_path}, which is not a model directory")
+        base = load_model(base_path, dtype)
+        # adapters trained on a model that RL gave extra control tags: grow the base the same way
+        # (the adapters then carry the grown embedding matrices themselves)
+        add_control_tokens(base, AutoTokenizer.from_pretrained(base_path))
         return PeftModel.from_pretrained(base, path, is_trainable=trainable)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a checkpoint directory (no config.json); "

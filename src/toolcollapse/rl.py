@@ -54,7 +54,7 @@ from toolcollapse.envs import make_env
 from toolcollapse.evaluate import sampling_params
 from toolcollapse.losses import aggregate, kl_k3, ppo_clip_loss
 from toolcollapse.model import load_model, logits_at, shared_prefix_len
-from toolcollapse.sources import add_control_tokens, apply_lora, ready_for_chatml
+from toolcollapse.sources import add_control_tokens, apply_lora, ready_for_chatml, token_ids
 from toolcollapse.monitor import (ProbeSet, build_probe, control_gradient_share, resolve_token_ids, run_probe,
                                   sampled_control_stats)
 from toolcollapse.optim import lr_at, make_optimizer, set_lr
@@ -299,6 +299,24 @@ def _watcher(cfg: RunConfig, run_dir: Path) -> Watcher:
 # ----------------------------------------------------------------------------- the loop
 
 
+def _policy_and_reference(cfg: RunConfig, source: Path, fresh: bool) -> tuple[Any, Any, Any]:
+    """(policy, tokenizer, frozen reference or None). A fresh run from a Hugging Face model (the
+    paper's setting) gets the control tags it lacks; with LoRA the policy is adapters on it."""
+    model = load_model(source, trainable=True)  # LoRA adapters of a resumed run come back trainable
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    if fresh:
+        added, notes = ready_for_chatml(model, tokenizer)
+        for note in notes:
+            tqdm.write(f"rl: model: {note}")
+        if cfg.model.lora.rank > 0:
+            model = apply_lora(model, cfg.model.lora, token_ids(tokenizer, added))
+    ref_model = None
+    if cfg.grpo.kl_coef > 0:  # the initial model, grown the same way (the new rows are a function of the old)
+        ref_model = load_model(cfg.init).eval()
+        add_control_tokens(ref_model, AutoTokenizer.from_pretrained(cfg.init))
+    return model, tokenizer, ref_model
+
+
 def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmHandler | None = None) -> Path:
     """Train from `cfg.init` (or continue the run in `run_dir`). `on_alarm` replaces the
     monitor.on_alarm action."""
@@ -308,17 +326,7 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
     seed_everything(cfg.seed)
     done = complete_checkpoints(run_dir) if resume else []
     source = done[-1] if done else Path(cfg.init)
-    model = load_model(source, trainable=True)  # LoRA adapters of a resumed run come back trainable
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    if not done:  # RL straight from a Hugging Face model (the paper's setting): add the tags it lacks
-        for note in ready_for_chatml(model, tokenizer)[1]:
-            tqdm.write(f"rl: model: {note}")
-        if cfg.model.lora.rank > 0:
-            model = apply_lora(model, cfg.model.lora, [])
-    ref_model = None
-    if g.kl_coef > 0:  # the initial model, resized the same way (the new rows are a function of the old ones)
-        ref_model = load_model(cfg.init).eval()
-        add_control_tokens(ref_model, AutoTokenizer.from_pretrained(cfg.init))
+    model, tokenizer, ref_model = _policy_and_reference(cfg, source, fresh=not done)
     optimizer = make_optimizer(model, g.lr, g.weight_decay, g.betas)
     start = load_trainer_state(done[-1], optimizer) if done else 0
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -90,6 +90,8 @@ def check_source(source: str) -> None:
 
 
 def check_lora(lora: LoraConfig) -> None:
+    if lora.rank < 0:
+        raise ConfigError(f"model.lora.rank: {lora.rank} < 0 (0 trains every weight)")
     if lora.rank > 0:
         require("peft", "model.lora.rank > 0", PEFT_FIX)
 
@@ -145,10 +147,14 @@ def load_pretrained(source: str, cache_dir: str | None = None, lora: LoraConfig 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     added, notes = ready_for_chatml(model, tokenizer)
     if lora.rank > 0:
-        model = apply_lora(model, lora, [tokenizer.convert_tokens_to_ids(t) for t in added])
+        model = apply_lora(model, lora, token_ids(tokenizer, added))
         notes.append(f"LoRA rank {lora.rank} on {', '.join(lora.targets)}"
                      + (f" + the {len(added)} added token rows" if added else ""))
     return Prepared(model, tokenizer, tuple(added), tuple(notes))
+
+
+def token_ids(tokenizer: Any, tokens: Sequence[str]) -> list[int]:
+    return [tokenizer.convert_tokens_to_ids(t) for t in tokens]
 
 
 def ready_for_chatml(model: Any, tokenizer: Any) -> tuple[list[str], list[str]]:
@@ -162,6 +168,10 @@ def add_control_tokens(model: Any, tokenizer: Any) -> tuple[list[str], list[str]
     vocab = tokenizer.get_vocab()
     missing = [t for t in CONTROL_TAGS if t not in vocab]
     notes: list[str] = []
+    plain = [t for t in CONTROL_TAGS if t in vocab and t not in tokenizer.all_special_tokens]
+    if plain:  # an added but non-special tag would survive `split_special_tokens` in tool output (injection)
+        tokenizer.add_special_tokens({"additional_special_tokens": plain}, replace_extra_special_tokens=False)
+        notes.append(f"marked {plain} special (same ids), so tool output cannot inject them")
     if missing:
         spellings = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in missing]
         old = len(tokenizer)
@@ -206,9 +216,12 @@ def apply_lora(model: Any, lora: LoraConfig, train_token_ids: list[int]) -> Any:
     check_lora(lora)
     from peft import LoraConfig as PeftLoraConfig, get_peft_model
 
+    rows = None
+    if train_token_ids:  # the new tags' rows, in the input embedding and (if untied) the output one
+        heads = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
+        rows = {name.rsplit(".", 1)[-1]: list(train_token_ids) for name, m in model.named_modules() if id(m) in heads}
     config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                            target_modules=list(lora.targets), task_type="CAUSAL_LM",
-                            trainable_token_indices=train_token_ids or None)
+                            target_modules=list(lora.targets), task_type="CAUSAL_LM", trainable_token_indices=rows)
     return get_peft_model(model, config)
 
 

@@ -15,7 +15,8 @@ Results are serialised as BFCL does -- a str as is, a dict through `json.dumps`,
 anything else through `str()` -- except that sets (whose `str()` depends on the hash
 seed) are written in sorted order. mpmath's and decimal's global precision, which
 MathAPI sets per call, is restored after each call, so one call cannot change
-another's results or anything else in the process.
+another's results or anything else in the process. An `exponent` or `precision`
+argument above 1000 is refused (`ARGUMENT_LIMITS`; BFCL has no such guard).
 """
 
 from __future__ import annotations
@@ -72,6 +73,12 @@ def _backend_class(name: str) -> type:
     return getattr(importlib.import_module(f"{BACKEND_PACKAGE}.{MODULES[name]}"), name)
 
 
+# Departure from BFCL, which has no such guard: MathAPI computes `base ** exponent` and sets mpmath's and
+# decimal's precision to the model's value, so one sampled call could hang a training run or fill memory.
+# No ground-truth call comes near these limits (bench/bfcl_parity.py replays them all).
+ARGUMENT_LIMITS = {"exponent": 1000, "precision": 1000}
+
+
 def execute(world: World, call: LiteralCall) -> tuple[str, bool]:
     """(result text, whether a backend method ran). Never raises."""
     method = world.methods.get(call.name) if isinstance(call.name, str) else None
@@ -79,6 +86,10 @@ def execute(world: World, call: LiteralCall) -> tuple[str, bool]:
         return f"Error: {str(call.name)[:80]!r} is not one of the available functions.", False
     if not all(isinstance(k, str) for k in call.kwargs):
         return "Error: argument names must be strings.", False
+    for name, limit in ARGUMENT_LIMITS.items():
+        value = call.kwargs.get(name)
+        if isinstance(value, (int, float)) and not abs(value) <= limit:
+            return f"Error: {name}={value!r} exceeds {limit} (a toolcollapse guard; it would stall the run).", False
     with _numeric_context():
         try:
             args, kwargs = copy.deepcopy((call.args, call.kwargs))  # fresh values, as BFCL's eval() makes

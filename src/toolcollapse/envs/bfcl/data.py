@@ -107,7 +107,7 @@ def _user_text(messages: list[dict[str, str]], entry_id: str) -> str:
 
 def split_entries(entries: list[Entry], seed: int, n_train: int, n_test: int) -> dict[str, list[Entry]]:
     if n_train + n_test > len(entries):
-        raise ValueError(f"n_train + n_test = {n_train + n_test} exceeds the {len(entries)} entries of "
+        raise ValueError(f"bfcl.n_train + bfcl.n_test = {n_train + n_test} exceeds the {len(entries)} entries of "
                          f"{entries[0].category if entries else 'the category'}")
     shuffled = list(entries)
     random.Random(seed).shuffle(shuffled)

@@ -21,6 +21,7 @@ stops before the last user turn was reached fails, as BFCL's force-terminated en
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -88,12 +89,12 @@ class BFCL:
         return tasks if n is None else tasks[:n]
 
     def entries(self, split: str) -> list[Entry]:
-        """The split's entries, category after category (in `cfg.categories` order)."""
-        out: list[Entry] = []
-        for category in self.cfg.categories:
-            parts = split_entries(self._load(category), self.cfg.split_seed, self.cfg.n_train, self.cfg.n_test)
-            out += parts[split]
-        return out
+        """The split's entries, the categories interleaved (the first of each in `cfg.categories`
+        order, then the second of each, ...), so any prefix -- SFT's examples, the probe set,
+        `eval --n` -- covers every category."""
+        per_category = [split_entries(self._load(c), self.cfg.split_seed, self.cfg.n_train, self.cfg.n_test)[split]
+                        for c in self.cfg.categories]
+        return [e for group in itertools.zip_longest(*per_category) for e in group if e is not None]
 
     def entry(self, task: Task) -> Entry:
         if task.id not in self._entries:
