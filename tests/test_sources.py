@@ -147,7 +147,8 @@ def test_pretrained_lora_sft_rl_resume_eval(tiny_hf_dir, tmp_path):
     torch.testing.assert_close(emb_after[:-4], emb_before[:-4])
 
     rl = SMALL + LORA + ["grpo.steps=2", "grpo.prompts_per_step=2", "grpo.group_size=2", "grpo.checkpoint_every=1",
-                         "grpo.keep_checkpoints=3", "monitor.probe_every=0", "monitor.grad_share_every=0"]
+                         "grpo.keep_checkpoints=3", "monitor.probe_every=1", "monitor.probe_size=2",
+                         "monitor.grad_share_every=0"]  # the probe on a tokenizer whose unk is <|endoftext|>
     args = ["rl", "--config", "configs/tiny_rl.yaml", "--init", str(tmp_path / "sft"), "--out", str(tmp_path / "rl")]
     assert main(args + _sets(rl)) == 0
     ckpts = tmp_path / "rl" / "checkpoints"
@@ -155,6 +156,7 @@ def test_pretrained_lora_sft_rl_resume_eval(tiny_hf_dir, tmp_path):
     assert (step2 / "adapter_config.json").is_file() and not (step2 / "model.safetensors").exists()
     assert load_config(tmp_path / "rl" / "config.yaml").model.lora.rank == 4
     first = read_jsonl(tmp_path / "rl" / "metrics.jsonl")
+    assert "probe/im_end/miss_required" in first[0]
     shutil.rmtree(step2)  # as if killed during step 2: resume loads the step-1 adapters, trainable
     assert main(["rl", "--resume", str(tmp_path / "rl")]) == 0
     again = read_jsonl(tmp_path / "rl" / "metrics.jsonl")

@@ -124,8 +124,9 @@ def control_token_stats(logp: torch.Tensor, slot_of: torch.Tensor, token_ids: Ma
 
 def resolve_token_ids(tokenizer: Any, names: Sequence[str]) -> dict[str, int]:
     """Ids of control tokens by their text; an unknown one is an error naming it."""
-    ids = {n: tokenizer.convert_tokens_to_ids(n) for n in names}
-    missing = [n for n, i in ids.items() if i is None or i == tokenizer.unk_token_id]
+    vocab = tokenizer.get_vocab()  # membership, not `!= unk_token_id`: SmolLM2's unk is <|endoftext|> itself
+    ids = {n: vocab.get(n) for n in names}
+    missing = [n for n, i in ids.items() if i is None]
     if missing:
         raise ValueError(f"control tokens {missing} are not single tokens of this tokenizer")
     return ids
