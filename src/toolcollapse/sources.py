@@ -124,7 +124,6 @@ def convert_gguf(gguf_path: Path, target: Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     # dequantised weights are plain float32; drop the GGUF marker so save_pretrained accepts them
-    model.config.quantization_config = None
     del model.config.quantization_config
     model.hf_quantizer, model.is_quantized = None, False
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
@@ -140,11 +139,13 @@ def convert_gguf(gguf_path: Path, target: Path) -> Path:
 
 def load_pretrained(source: str, cache_dir: str | None = None, lora: LoraConfig = LoraConfig()) -> Prepared:
     """Model and tokenizer of a pretrained source, ready for toolcollapse's ChatML."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from toolcollapse.model import load_model
 
     path = resolve_source(source, cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = load_model(path)
     added, notes = ready_for_chatml(model, tokenizer)
     if lora.rank > 0:
         model = apply_lora(model, lora, token_ids(tokenizer, added))
