@@ -20,6 +20,20 @@ def test_overrides_parse_yaml_values():
     assert cfg.eval.n_tasks is None and cfg.world.seed == 3 and cfg.sft.betas == (0.8, 0.9)
 
 
+def test_phases_of_the_copy_warmup_and_older_keys():
+    cfg = load_config("configs/tiny.yaml", ["sft.copy_warmup=[{content: no_system_prompt, steps: 600, batch_size: 16},"
+                                            " {steps: 100}]"])
+    assert [(w.content, w.steps, w.batch_size) for w in cfg.sft.copy_warmup] == [
+        ("no_system_prompt", 600, 16), ("first_call", 100, 32)]
+    # checkpoints and configs written before the list (one phase, three keys) still load
+    old = load_config(None, ["sft.copy_warmup_steps=400", "sft.copy_warmup_content=both"])
+    assert [(w.content, w.steps, w.batch_size) for w in old.sft.copy_warmup] == [("both", 400, 64)]
+    with pytest.raises(ConfigError, match="only sft.copy_warmup"):
+        load_config("configs/tiny.yaml", ["sft.copy_warmup_steps=400"])
+    with pytest.raises(ConfigError, match=r"sft\.copy_warmup\[0\]\.content"):
+        load_config(None, ["sft.copy_warmup_content=everything"])
+
+
 @pytest.mark.parametrize("override, names", [
     ("sft.lrr=1", "sft.lrr"),
     ("bogus=1", "bogus"),

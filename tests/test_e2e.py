@@ -11,7 +11,9 @@ from toolcollapse.runtime import read_jsonl
 pytestmark = pytest.mark.slow
 
 SMALL = ["world.n_train=200", "world.n_test=12", "world.n_ood=6", "tokenizer.corpus_tasks=200",
-         "tokenizer.vocab_size=512", "sft.copy_warmup_steps=5", "sft.copy_warmup_batch_size=8",
+         "tokenizer.vocab_size=512",
+         "sft.copy_warmup=[{content: first_call, steps: 3, batch_size: 8},"
+         " {content: no_system_prompt, steps: 2, batch_size: 4}]",
          "sft.steps=25", "sft.batch_size=4", "sft.warmup_steps=5", "sft.log_every=5",
          "rollout.max_new_tokens=48", "rollout.max_turns=4"]
 
@@ -29,8 +31,9 @@ def test_sft_then_eval(tmp_path, capsys):
     metrics = read_jsonl(ckpt / "metrics.jsonl")
     losses = [m["loss"] for m in metrics if "loss" in m]
     assert losses[-1] < losses[0] - 1.0  # it learns something in 30 steps
-    assert [m["phase"] for m in metrics if "loss" in m][0] == "copy warm-up"
-    assert metrics[-1]["phase"] == "sft" and metrics[-1]["step"] == 5 + 25 - 1  # steps count across phases
+    phases = [m["phase"] for m in metrics if "loss" in m]
+    assert list(dict.fromkeys(phases)) == ["copy warm-up 1", "copy warm-up 2", "sft"]
+    assert metrics[-1]["phase"] == "sft" and metrics[-1]["step"] == 3 + 2 + 25 - 1  # steps count across phases
     assert {"val/loss", "val/acc_digit", "val/acc_word", "val/acc_structure"} <= set(metrics[-1])
 
     capsys.readouterr()

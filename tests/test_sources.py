@@ -119,7 +119,7 @@ def test_cli_rejects_a_missing_source_before_any_work(tmp_path, capsys):
     assert code == 2 and "nope" in capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
-SMALL = ["world.n_train=40", "world.n_test=6", "world.n_ood=4", "sft.copy_warmup_steps=0", "sft.steps=3",
+SMALL = ["world.n_train=40", "world.n_test=6", "world.n_ood=4", "sft.copy_warmup=[]", "sft.steps=3",
          "sft.batch_size=2", "sft.warmup_steps=1", "sft.log_every=1", "sft.val_every=100", "model.max_seq_len=4096",
          "rollout.max_new_tokens=12", "rollout.max_turns=2", "rollout.batch_size=8"]
 LORA = ["model.lora.rank=4", "model.lora.targets=[q_proj, v_proj]"]

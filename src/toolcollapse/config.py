@@ -83,6 +83,16 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class WarmupPhase:
+    """One copy warm-up phase, with its own AdamW and LR schedule (`sft.lr`, `sft.schedule`)."""
+
+    # first_call: question -> first call; no_system_prompt: whole tasks minus the system prompt; both: half each
+    content: Literal["first_call", "no_system_prompt", "both"] = "first_call"
+    steps: int = 100
+    batch_size: int = 32
+
+
+@dataclass(frozen=True)
 class SFTConfig:
     steps: int = 600
     batch_size: int = 8  # conversations per optimizer step
@@ -97,12 +107,9 @@ class SFTConfig:
     log_every: int = 10
     val_every: int = 200  # validation loss and per-kind accuracy on held-out oracle conversations
     group_by_length: bool = False  # batches of similar lengths: 3 % padding instead of 29 %, but slower learning (LOG)
-    # Copy warm-up (LOG 2026-12-02): a first phase on the user question and the first call only, without the
-    # system prompt, where a tiny model learns to copy names out of the question; then `steps` on full tasks.
-    copy_warmup_steps: int = 0
-    copy_warmup_batch_size: int = 64
-    # first_call: question -> first call; no_system_prompt: whole tasks minus the system prompt; both: half each
-    copy_warmup_content: Literal["first_call", "no_system_prompt", "both"] = "first_call"
+    # Copy warm-up (docs/LOG.md): phases before the main one on short examples without the ~650-token
+    # system prompt, where a tiny model learns to copy names and numbers; then `steps` on full tasks.
+    copy_warmup: tuple[WarmupPhase, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -213,7 +220,27 @@ def load_config(path: str | Path | None, overrides: typing.Sequence[str] = (), c
             raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(raw).__name__}")
     for item in overrides:
         apply_override(raw, item)
+    migrate_legacy_keys(raw)
     return from_dict(cls, raw)
+
+
+LEGACY_WARMUP_KEYS = {"copy_warmup_content": "content", "copy_warmup_steps": "steps",
+                      "copy_warmup_batch_size": "batch_size"}
+
+
+def migrate_legacy_keys(raw: dict[str, Any]) -> None:
+    """Rewrite keys of older configs and checkpoints in place: the single copy warm-up phase
+    `sft.copy_warmup_{content,steps,batch_size}` (defaults first_call, 0, 64) is now one item of
+    `sft.copy_warmup`."""
+    sft = raw.get("sft")
+    if not isinstance(sft, dict) or not LEGACY_WARMUP_KEYS.keys() & sft.keys():
+        return
+    if "copy_warmup" in sft:
+        raise ConfigError("sft.copy_warmup and the older sft.copy_warmup_steps / _batch_size / _content "
+                          "describe the same thing; give only sft.copy_warmup")
+    phase = {"content": "first_call", "steps": 0, "batch_size": 64}
+    phase.update({new: sft.pop(old) for old, new in LEGACY_WARMUP_KEYS.items() if old in sft})
+    sft["copy_warmup"] = [phase]
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:

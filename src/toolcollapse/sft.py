@@ -9,11 +9,13 @@ or answer and its stop token), never the prompt, tool results or template tokens
 The checkpoint is a standard `save_pretrained` directory (LoRA adapters merged into
 the weights) plus `toolcollapse.yaml` (the resolved config) and `metrics.jsonl`.
 
-With `sft.copy_warmup_steps`, training starts with a copy warm-up: batches of the
-user question and the first call only, without the ~650-token system prompt, where
-a tiny model learns to copy entity names out of the question (it does not within the
-budget when every example carries the system prompt; docs/LOG.md); the main phase
-then trains on full conversations.
+With `sft.copy_warmup`, training starts with one or more warm-up phases on short
+examples without the ~650-token system prompt: the user question and the first call
+(`first_call`), where a tiny model learns to copy entity names out of the question,
+or whole conversations minus the system prompt (`no_system_prompt`), where it also
+learns to copy numbers out of tool results. It learns neither within the budget when
+every example carries the system prompt (docs/LOG.md). The main phase then trains on
+full tasks.
 
 Validation reports accuracy by kind of target token, because a tiny model learns
 the format long before it learns to copy: `digit` (digits of values copied from tool
@@ -222,19 +224,19 @@ def run_sft(cfg: RunConfig, out_dir: str | Path | None = None) -> Path:
 
     model.train()
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    warmups = [w for w in sc.copy_warmup if w.steps > 0]
     print(f"sft: {what}, {n_params(model) / 1e6:.2f} M params ({trained / 1e6:.2f} M trained), vocab {len(tokenizer)}, "
-          f"{len(train)} conversations (mean {sum(len(x) for x, _ in train) / len(train):.0f} tokens), "
-          f"{sc.copy_warmup_steps} copy warm-up steps x {sc.copy_warmup_batch_size} + "
-          f"{sc.steps} steps x {sc.batch_size}; setup {time.time() - t0:.1f}s")
+          f"{len(train)} conversations (mean {sum(len(x) for x, _ in train) / len(train):.0f} tokens); "
+          + "".join(f"{w.steps} steps x {w.batch_size} ({w.content}) + " for w in warmups)
+          + f"{sc.steps} steps x {sc.batch_size}; setup {time.time() - t0:.1f}s")
     rng = random.Random(cfg.seed)
     group = 16 if sc.group_by_length else 1
     phases = []
-    if sc.copy_warmup_steps > 0:
-        warmup = warmup_examples(encoder, env.tasks("train")[:sc.copy_warmup_steps * sc.copy_warmup_batch_size],
-                                 sc.copy_warmup_content)
+    for i, w in enumerate(warmups):
+        examples = warmup_examples(encoder, env.tasks("train")[:w.steps * w.batch_size], w.content)
+        name = "copy warm-up" + (f" {i + 1}" if len(warmups) > 1 else "")
         # "both" mixes ~50- and ~210-token examples: batch them by length so short ones are not padded
-        phases.append(Phase("copy warm-up", warmup, sc.copy_warmup_steps, sc.copy_warmup_batch_size,
-                            16 if sc.copy_warmup_content == "both" else group))
+        phases.append(Phase(name, examples, w.steps, w.batch_size, 16 if w.content == "both" else group))
     phases.append(Phase("sft", train, sc.steps, sc.batch_size, group))
     log = lambda record: append_jsonl(out / "metrics.jsonl", {**record, "elapsed_s": round(time.time() - t0, 2)})  # noqa: E731
     done, record = 0, {}
