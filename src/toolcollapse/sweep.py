@@ -56,8 +56,8 @@ def load_sweep(path: str | Path, overrides: list[str] = ()) -> tuple[SweepConfig
     if unknown:
         raise ConfigError(f"eval_settings: {unknown[0]!r} is not one of the settings ({', '.join(sweep.settings)})")
     if not (Path(sweep.init) / "config.json").is_file():
-        raise ConfigError(f"init checkpoint not found: {sweep.init} (no config.json there); train it with "
-                          f"`toolcollapse sft --config configs/tiny.yaml`")
+        raise ConfigError(f"init checkpoint not found: {sweep.init} (no config.json there); train it first with "
+                          f"`toolcollapse sft` (the studies in configs/study/ start from configs/tiny_long.yaml's)")
     specs = []
     for name, sets in sweep.settings.items():
         if not isinstance(sets, dict):
