@@ -13,9 +13,8 @@ With `sft.copy_warmup`, training starts with one or more warm-up phases on short
 examples without the ~650-token system prompt: the user question and the first call
 (`first_call`), where a tiny model learns to copy entity names out of the question,
 or whole conversations minus the system prompt (`no_system_prompt`), where it also
-learns to copy numbers out of tool results. It learns neither within the budget when
-every example carries the system prompt (docs/LOG.md). The main phase then trains on
-full tasks.
+learns to copy numbers out of tool results. Both come far later when every example
+carries the system prompt (docs/LOG.md). The main phase then trains on full tasks.
 
 Validation reports accuracy by kind of target token, because a tiny model learns
 the format long before it learns to copy: `digit` (digits of values copied from tool
