@@ -23,3 +23,12 @@ def tokenizer(world):
 def tiny_model(tokenizer):
     model = build_model("tiny", len(tokenizer), 2048, tokenizer.pad_token_id, tokenizer.eos_token_id, seed=0)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory, tiny_model, tokenizer):
+    """The random tiny model saved as a checkpoint directory (what `toolcollapse sft` writes)."""
+    path = tmp_path_factory.mktemp("tiny_checkpoint")
+    tiny_model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

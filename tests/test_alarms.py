@@ -82,9 +82,9 @@ def test_collapse_step_is_half_the_step0_rate_held_for_k_steps():
 
 def test_default_rules_watch_required_misses_and_forbidden_peaks():
     series = control_series(MonitorConfig().control_tokens)
-    assert series[:3] == ["probe/tool_call/miss_required", "probe/tool_call_end/miss_required",
-                          "probe/im_end/miss_required"]
-    assert "probe/tool_call/p_forbidden_max" in series and len(series) == 8
+    assert series[:4] == ["probe/tool_call/miss_required", "probe/tool_call_end/miss_required",
+                          "probe/im_end/miss_required", "probe/im_end/miss_after_call"]  # the last: call_end sampled
+    assert "probe/tool_call/p_forbidden_max" in series and len(series) == 9
     custom = control_rules(MonitorConfig(alarm_series=("entropy",), alarm_detector="cusum", alarm_warmup=4))
     assert [(r.series, r.detector, r.warmup) for r in custom] == [("entropy", "cusum", 4)]
 

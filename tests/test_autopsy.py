@@ -1,6 +1,5 @@
 import json
 
-import pandas as pd
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -119,6 +118,7 @@ def test_trl_wandb_table_export(tmp_path, tok):
 
 
 def test_trl_jsonl_and_parquet(tmp_path, tok):
+    pd = _pandas()
     records = [dict(zip(TRL_COLUMNS, r)) for r in TRL_ROWS]
     check_trl_rows(autopsy(load_dump(write_jsonl(tmp_path / "t.jsonl", records), fmt="trl").rollouts, tok))
     out = tmp_path / "completions"
@@ -129,6 +129,7 @@ def test_trl_jsonl_and_parquet(tmp_path, tok):
 
 
 def test_trl_conversational_completion_from_parquet(tmp_path, tok):
+    pd = _pandas()
     completion = [
         {"role": "assistant", "content": "", "tool_calls": [
             {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]},
@@ -230,3 +231,8 @@ def test_forced_format_and_missing_path(tmp_path):
         load_dump(path, fmt="verl")
     with pytest.raises(DumpError, match="no such file"):
         load_dump(tmp_path / "missing.jsonl")
+
+
+def _pandas():
+    pytest.importorskip("pyarrow", reason="TRL's parquet dumps need the [parquet] extra: pip install 'toolcollapse[parquet]'")
+    return pytest.importorskip("pandas", reason="TRL's parquet dumps need the [parquet] extra")

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-pytest.importorskip("bfcl_eval")
+pytest.importorskip("bfcl_eval", reason="env: bfcl needs `pip install --no-deps bfcl-eval` (its data and backends)")
+pytest.importorskip("mpmath", reason="env: bfcl needs the [bfcl] extra: pip install 'toolcollapse[bfcl]'")
 
 from toolcollapse.chat import PieceEncoder, conversation_pieces
 from toolcollapse.config import BFCLConfig
@@ -247,6 +248,18 @@ def test_answering_every_turn_without_calls_fails_at_the_first_turn_that_needs_o
     assert state.extra["bfcl"].verdict.error_type == "multi_turn:empty_turn_model_response"
 
 
+def test_a_malformed_reply_in_the_last_user_turn_is_a_reply(env, by_id):
+    """As BFCL's empty decode: the turn counts, the check judges it (no force_terminated)."""
+    task = by_id["multi_turn_base_0"]
+    state = env.reset(task)
+    for _ in range(task.meta["n_turns"] - 1):
+        assert env.step(state, answer_turn())  # the next user turn
+    malformed = ParsedTurn(TurnState.FULL_COLLAPSE, (), None, "", "none", "turn ended without <|im_end|>")
+    assert env.step(state, malformed) == [] and state.done
+    assert not env.success(state)
+    assert state.extra["bfcl"].verdict.error_type == "multi_turn:empty_turn_model_response"
+
+
 def test_an_episode_that_stops_early_is_force_terminated(env, by_id):
     task = by_id["multi_turn_base_0"]
     state = env.reset(task)
@@ -261,9 +274,7 @@ def test_an_episode_that_stops_early_is_force_terminated(env, by_id):
 
 
 def _fs_episode(env, by_id):
-    state = env.reset(by_id["multi_turn_base_0"])
-    world: World = state.extra["bfcl"].world
-    return state, world, world.instances["GorillaFileSystem"]
+    return env.reset(by_id["multi_turn_base_0"])
 
 
 @pytest.mark.parametrize("name,arguments", [
@@ -282,7 +293,7 @@ def test_undocumented_and_private_names_are_refused_and_nothing_runs(env, by_id,
     name = name.format(pwned=pwned)
     arguments = {k: v.format(pwned=pwned) if isinstance(v, str) else v for k, v in arguments.items()}
     tmp_pwned_existed = Path("/tmp/pwned").exists()
-    state, world, fs = _fs_episode(env, by_id)
+    state = _fs_episode(env, by_id)
     env.step(state, call_turn("cd", {"folder": "document"}))
     fresh = new_world(env.entry(state.task), env.docs(env.entry(state.task)))
     execute(fresh, LiteralCall("cd", (), {"folder": "document"}))
@@ -290,8 +301,9 @@ def test_undocumented_and_private_names_are_refused_and_nothing_runs(env, by_id,
     assert obs.role == "tool" and obs.content.startswith("Error: ") and "not one of the available" in obs.content
     assert state.extra["bfcl"].rejected == [obs.content]
     assert state.extra["bfcl"].calls[0][-1].name == name  # recorded as the model's call, as BFCL would
-    assert state_differences(world.instances, fresh.instances) == []
-    assert fs._current_dir.name == "document"
+    instances = env.instances(state)
+    assert state_differences(instances, fresh.instances) == []
+    assert instances["GorillaFileSystem"]._current_dir.name == "document"
     assert not pwned.exists() and Path("/tmp/pwned").exists() == tmp_pwned_existed
 
 
@@ -299,17 +311,19 @@ def test_undocumented_and_private_names_are_refused_and_nothing_runs(env, by_id,
 def test_code_in_an_argument_is_only_ever_a_string(env, by_id, tmp_path, where):
     pwned = (tmp_path if where == "tmp_path" else Path("/tmp")) / "pwned"
     existed = pwned.exists()
-    state, world, fs = _fs_episode(env, by_id)
+    state = _fs_episode(env, by_id)
     fresh = new_world(env.entry(state.task), env.docs(env.entry(state.task)))
     [obs] = env.step(state, call_turn("cd", {"folder": f"__import__('os').system('touch {pwned}')"}))
     assert json.loads(obs.content) == {"error": f"cd: __import__('os').system('touch {pwned}'): "
                                                 "Unsupported path. Only one folder level at a time is supported."}
-    assert state_differences(world.instances, fresh.instances) == [] and fs._current_dir is fs.root
+    instances = env.instances(state)
+    fs = instances["GorillaFileSystem"]
+    assert state_differences(instances, fresh.instances) == [] and fs._current_dir is fs.root
     assert pwned.exists() == existed
 
 
 def test_a_backend_exception_is_an_error_observation(env, by_id):
-    state, _, _ = _fs_episode(env, by_id)
+    state = _fs_episode(env, by_id)
     [obs] = env.step(state, call_turn("cd", {"directory": "document"}))
     assert obs.content == "Error during execution: GorillaFileSystem.cd() got an unexpected keyword argument " \
                           "'directory'"
@@ -317,7 +331,7 @@ def test_a_backend_exception_is_an_error_observation(env, by_id):
 
 
 def test_an_unparseable_call_is_an_error_observation_and_not_a_call(env, by_id):
-    state, _, _ = _fs_episode(env, by_id)
+    state = _fs_episode(env, by_id)
     bad = ParsedTurn(TurnState.TEXT_POLLUTION, (), None, "", "call", "call body is not JSON")
     [obs] = env.step(state, bad)
     assert json.loads(obs.content) == {"error": "could not parse the tool call: call body is not JSON"}
@@ -427,3 +441,20 @@ def test_arguments_that_would_stall_the_run_are_refused(name, arguments):
     world = World({}, {name: lambda **kw: pytest.fail("ran")})
     text, ran = execute(world, LiteralCall(name, (), arguments))
     assert not ran and "exceeds 1000" in text
+
+
+def test_an_answer_on_the_last_allowed_turn_ends_the_episode_at_max_turns(env, tokenizer):
+    """Before: the next user message was appended after the turn budget ran out, and the episode was
+    labelled `answered`. Now: `max_turns`, nothing appended, and BFCL's verdict on the turns the model saw."""
+    tasks = _short_tasks(env, tokenizer)
+    inner = build_model("tiny", len(tokenizer), 4096, tokenizer.pad_token_id, tokenizer.eos_token_id, 0)
+    model = AnswerAtOnce(inner, tokenizer.convert_tokens_to_ids("D"), tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    engine = RolloutEngine(model, tokenizer, env)
+    for max_turns in (1, 2):
+        params = SamplingParams(max_turns=max_turns, max_new_tokens=4, max_seq_len=4096, greedy=True, batch_size=4)
+        for task, ep in zip(tasks, engine.generate(tasks, params, seed=0)):
+            assert len(ep.turns) == max_turns < task.meta["n_turns"]
+            assert ep.finish == "max_turns" and ep.turns[-1].observation is None
+            assert ep.tokens[-1] == tokenizer.convert_tokens_to_ids("<|im_end|>")  # the answer is the last token
+            assert engine.decode(ep.tokens[ep.prompt_len:]).count("<|im_start|>user") == max_turns - 1
+            assert ep.success is False

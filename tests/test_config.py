@@ -76,3 +76,52 @@ def test_console_script_exit_code(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "toolcollapse.cli", "sft", "--config", "configs/tiny.yaml",
                            "--set", "model.max_seq_len=long"], capture_output=True, text=True)
     assert proc.returncode == 2 and "model.max_seq_len" in proc.stderr
+
+
+def test_a_run_config_inherits_from_its_base_section_by_section(tmp_path):
+    long = load_config("configs/tiny_long.yaml")
+    tiny = load_config("configs/tiny.yaml")
+    assert long.world == tiny.world and long.model == tiny.model and long.rollout == tiny.rollout
+    assert long.sft.lr == tiny.sft.lr and long.sft.schedule == "cosine" and long.sft.batch_size == 16
+    assert [w.content for w in long.sft.copy_warmup] == ["first_call"]  # a list replaces the base's list
+    assert long.name == "tiny_long" and long.out_dir == "runs/tiny_long"
+    child = tmp_path / "child.yaml"
+    child.write_text(f"base: {child}\nseed: 1\n")
+    with pytest.raises(ConfigError, match="leads back"):
+        load_config(child)
+    child.write_text(f"base: {tmp_path / 'nowhere.yaml'}\n")
+    with pytest.raises(ConfigError, match=r"nowhere\.yaml \(the base of .*child\.yaml\)"):
+        load_config(child)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("sft.steps=-5", "sft.steps: -5 is not >= 1"),
+    ("grpo.steps=0", "grpo.steps: 0 is not >= 1"),
+    ("grpo.lr=nan", "grpo.lr: expected a finite number"),
+    ("grpo.lr=.inf", "grpo.lr: expected a finite number"),
+    ("sft.lr=-1", "sft.lr: -1.0 is not > 0"),
+    ("grpo.group_size=1", "grpo.group_size: 1 is not >= 2"),
+    ("rollout.temperature=0", "rollout.temperature: 0.0 is not > 0"),
+    ("rollout.top_p=1.5", "rollout.top_p: 1.5 is not in (0, 1]"),
+    ("grpo.clip_low=1", "grpo.clip_low: 1.0 is not in [0, 1)"),
+    ("grpo.dual_clip=1", "grpo.dual_clip: 1.0 is not > 1"),
+    ("sft.betas=[0.9, 1.0]", "sft.betas: 1.0 is not in [0, 1)"),
+    ("sft.copy_warmup=[{steps: -1}]", r"sft.copy_warmup\[0\].steps: -1 is not >= 0"),
+    ("eval.n_tasks=0", "eval.n_tasks: 0 is not >= 1"),
+    ("tools.timeout_s=0", "tools.timeout_s: 0.0 is not > 0"),
+    ("monitor.alarm_min_scale=0", "monitor.alarm_min_scale"),
+    ("threads=0", "threads: 0 is not >= 1"),
+])
+def test_every_number_is_range_checked_when_the_config_loads(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[0,", r"\[0,")):
+        load_config("configs/tiny.yaml", [override])
+
+
+def test_a_config_built_in_code_is_held_to_the_same_ranges():
+    from toolcollapse.config import GRPOConfig, rl_problems
+
+    with pytest.raises(ConfigError, match="lr"):
+        GRPOConfig(lr=-1.0)
+    assert GRPOConfig(dual_clip=None).dual_clip is None
+    assert rl_problems(load_config(None, ["rollout.top_p=0.9"]))  # fine for eval, refused for RL
+    assert rl_problems(load_config(None)) == []

@@ -71,6 +71,39 @@ def test_probe_on_a_real_model(world, tokenizer, tiny_model):
     assert 0.0 <= stats["probe/im_end/p_forbidden_p99"] <= stats["probe/im_end/p_forbidden_max"] <= 1.0
 
 
+def test_the_probe_measures_the_sampling_distribution(world, tokenizer, tiny_model):
+    """At temperature T the probe reads softmax(logits / T), the distribution rollouts sample from."""
+    from toolcollapse.model import logits_at
+
+    examples = encode_tasks(PieceEncoder(tokenizer), world.tasks("train")[:2])
+    probe = build_probe(examples, tokenizer.pad_token_id, resolve_token_ids(tokenizer, CONTROL_TAGS))
+    ids = resolve_token_ids(tokenizer, [IM_END])
+    with torch.no_grad():
+        logits = logits_at(tiny_model, probe.input_ids, probe.select, probe.prefix_len).float()
+    for t in (0.5, 1.0):
+        expected = control_token_stats(torch.log_softmax(logits / t, dim=-1), probe.slot_of, ids)
+        got = run_probe(tiny_model, probe, ids, temperature=t)
+        assert got.keys() == expected.keys()
+        assert all(got[k] == pytest.approx(expected[k], abs=1e-6) for k in got)
+    assert run_probe(tiny_model, probe, ids, 0.5) != run_probe(tiny_model, probe, ids, 1.0)
+
+
+def test_a_trained_call_end_has_its_own_slot_and_series(world, tokenizer):
+    """rollout.call_end: sampled trains the <|im_end|> after </tool_call>: slot call_turn_end,
+    series probe/im_end/miss_after_call; with the template default there is no such position."""
+    enc = PieceEncoder(tokenizer)
+    ids = resolve_token_ids(tokenizer, CONTROL_TAGS)
+    task = world.tasks("train")[0]
+    n_calls = sum(m.tool_call is not None for m in task.reference)
+    for call_end, expected in (("template", 0), ("sampled", n_calls)):
+        [example] = encode_tasks(enc, [task], call_end)
+        probe = build_probe([example], tokenizer.pad_token_id, ids)
+        assert int((probe.slot_of == Slot.CALL_TURN_END).sum()) == expected
+    logp = _logp([{END: 0.9}, {END: 0.4}])
+    stats = control_token_stats(logp, torch.tensor([Slot.CALL_TURN_END, Slot.CALL_TURN_END]), {IM_END: END})
+    assert stats["probe/im_end/miss_after_call"] == pytest.approx(1 - 0.65, abs=1e-6)
+
+
 def test_unknown_control_token_is_named(tokenizer):
     with pytest.raises(ValueError, match="<not_a_tag>"):
         resolve_token_ids(tokenizer, ["<not_a_tag>"])

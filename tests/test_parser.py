@@ -160,3 +160,46 @@ def test_huge_and_pathological_inputs_are_bounded():
         assert parsed.state == S.FULL_COLLAPSE or parsed.state == S.TEXT_POLLUTION
         assert time.perf_counter() - t0 < 10  # generous: typical is well under a second
     assert json.dumps(parse_turn("{" * 10**6).errors[0])
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e999999", '"\\ud800"', '"ok \\udfff"'])
+def test_values_strict_json_has_no_way_to_write_are_bad_arguments(tools, value):
+    """Python's json.loads reads NaN, Infinity, 1e999999 (inf) and a lone surrogate escape; strict JSON
+    (RFC 8259, I-JSON) has none of them. The call is recorded as bad_arguments, not healthy."""
+    arg = ("a", "entity")[value.startswith('"')]
+    args = f'"operation": "add", "a": {value}, "b": 1' if arg == "a" else f'"entity": {value}, "attribute": "x"'
+    name = "calculator" if arg == "a" else "kb_lookup"
+    parsed = parse_turn(f'<tool_call>{{"name": "{name}", "arguments": {{{args}}}}}</tool_call>', tools)
+    assert parsed.state == S.TEXT_POLLUTION and parsed.errors == (E.BAD_ARGUMENTS,)
+    assert f"arguments.{arg}" in parsed.detail
+    assert parsed.detail.encode("utf-8")  # the note itself is valid text (no surrogate copied into it)
+
+
+def test_the_size_cap_never_joins_its_two_halves_into_a_tag():
+    """The first cap kept text[:half] + text[-half:] of the raw string and split tags afterwards, so
+    `...<tool_` + `call>...` became a <tool_call> the model never wrote."""
+    from toolcollapse.parser import MAX_CHARS
+
+    half = MAX_CHARS // 2
+    answer = "The answer is 1.<|im_end|>"
+    text = "x" * (half - 6) + "<tool_" + "y" * 5000 + "call>" + "z" * (half - 5 - len(answer)) + answer
+    segments = text_segments(text)
+    assert [s for is_tag, s in segments if is_tag] == ["<|im_end|>"]
+    assert E.FORBIDDEN_CONTROL_TOKEN not in parse_turn(text).errors and parse_turn(text).end == "answer"
+    # near the threshold a tag on the boundary must not be kept twice either
+    for extra in range(0, 30):
+        body = "a" * (half - 8) + "<tool_call>" + "b" * (half - 3 + extra) + "<|im_end|>"
+        tags = [s for is_tag, s in text_segments(body) if is_tag]
+        assert tags.count("<tool_call>") <= 1 and tags[-1] == "<|im_end|>"
+
+
+@pytest.mark.parametrize("text, state, errors, end", [
+    (CALL + "<|im_end|>", S.HEALTHY_CALL, (), "call"),
+    (CALL, S.FULL_COLLAPSE, (E.MISSING_END_OF_TURN,), "none"),  # cut off after </tool_call>: no <|im_end|>
+    (CALL + " and more<|im_end|>", S.TEXT_POLLUTION, (E.TEXT_OUTSIDE_CALL,), "call"),
+    (CALL + CALL + "<|im_end|>", S.TEXT_POLLUTION, (E.MULTIPLE_CALLS,), "call"),
+    ("The answer is 42.<|im_end|>", S.HEALTHY_RESPONSE, (), "answer"),
+])
+def test_a_call_turn_must_end_on_its_own_im_end_when_the_policy_writes_it(tools, text, state, errors, end):
+    parsed = parse_turn(text, tools, call_end="sampled")
+    assert (parsed.state, parsed.errors, parsed.end) == (state, errors, end)

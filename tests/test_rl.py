@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from toolcollapse.config import GRPOConfig, RunConfig, WorldConfig, dump_config
-from toolcollapse.records import PolicyBatch
 from toolcollapse.rl import build_batch, grpo_update, policy_logprobs
 from toolcollapse.rollout import RolloutEngine, SamplingParams
 
@@ -32,6 +31,21 @@ def test_batch_logprobs_match_the_sampling_logprobs(tiny_model, tokenizer, rollo
         logp, entropy = policy_logprobs(tiny_model, batch)
     torch.testing.assert_close(logp, batch.old_logp[batch.target_mask], atol=2e-4, rtol=0)
     assert (entropy > 0).all()
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_the_first_update_ratio_is_one_at_the_sampling_temperature(tiny_model, tokenizer, world, temperature):
+    engine = RolloutEngine(tiny_model, tokenizer, world)
+    params = SamplingParams(max_turns=2, max_new_tokens=12, temperature=temperature)
+    episodes = engine.generate(world.tasks("train")[:2], params, group_size=3, seed=1)
+    batch = build_batch(episodes, torch.zeros(len(episodes)), tokenizer.pad_token_id)
+    old = batch.old_logp[batch.target_mask]
+    with torch.no_grad():
+        ratio = (policy_logprobs(tiny_model, batch, temperature)[0] - old).exp()
+        at_t1 = (policy_logprobs(tiny_model, batch, 1.0)[0] - old).exp()
+    torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-4, rtol=0)
+    if temperature != 1.0:  # the control: log-probs at T = 1, as before, are off by far more
+        assert (at_t1 - 1).abs().max() > 0.1
 
 
 def _params(model):
@@ -107,18 +121,35 @@ def test_nonfinite_guard_skips_the_step(tiny_model, tokenizer, rollouts):
 
 
 @pytest.fixture(scope="module")
-def init_checkpoint(tmp_path_factory, tiny_model, tokenizer):
-    path = tmp_path_factory.mktemp("init")
-    tiny_model.save_pretrained(path)
+def answering_checkpoint(tmp_path_factory, tiny_model, tokenizer, world):
+    """The tiny model after 12 SFT steps on `question -> "The answer is 7."`: some of its turns are
+    healthy answers and some are not, so `grpo.format_reward` makes groups informative."""
+    import copy
+    import random
+
+    from toolcollapse.chat import PieceEncoder
+    from toolcollapse.config import SFTConfig
+    from toolcollapse.records import Message
+    from toolcollapse.sft import Phase, train_phase
+
+    model = copy.deepcopy(tiny_model).train()
+    encoder = PieceEncoder(tokenizer)
+    examples = [encoder.encode_conversation([t.prompt[-1], Message("assistant", "The answer is 7.")])
+                for t in world.tasks("train")[:200]]
+    torch.manual_seed(0)
+    train_phase(model, Phase("answer", examples, 12, 16, 1), SFTConfig(lr=1e-2, warmup_steps=3, schedule="constant"),
+                random.Random(0), tokenizer.pad_token_id, 0, dict, lambda record: None)
+    path = tmp_path_factory.mktemp("answering")
+    model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 
 
-def _rl_config(tmp_path, init):
+def _rl_config(tmp_path, init, **grpo):
     cfg = RunConfig(
         seed=3, init=str(init), world=WorldConfig(n_train=40, n_test=4, n_ood=4),
-        grpo=GRPOConfig(steps=5, prompts_per_step=2, group_size=2, lr=1e-3, micro_batch_size=2,
-                        checkpoint_every=2, kl_coef=1e-3, samples_per_step=1),
+        grpo=GRPOConfig(**{**dict(steps=5, prompts_per_step=2, group_size=2, lr=1e-3, micro_batch_size=2,
+                                  checkpoint_every=2, kl_coef=1e-3, samples_per_step=1), **grpo}),
     )
     cfg = __import__("dataclasses").replace(cfg, rollout=__import__("dataclasses").replace(
         cfg.rollout, max_turns=2, max_new_tokens=12))
@@ -133,8 +164,13 @@ def _metrics(run_dir):
 
 
 @pytest.mark.slow
-def test_sigkill_and_resume_reproduce_an_uninterrupted_run(tmp_path, init_checkpoint):
-    config = _rl_config(tmp_path, init_checkpoint)
+def test_sigkill_and_resume_reproduce_an_uninterrupted_run(tmp_path, answering_checkpoint):
+    """The weights move (informative groups through the format reward), so a resume that lost the
+    optimizer's moments, the RNG state or the step would end elsewhere: metrics and final weights
+    must equal an uninterrupted run's."""
+    from safetensors.torch import load_file
+
+    config = _rl_config(tmp_path, answering_checkpoint, format_reward=1.0, group_size=4)
     cmd = [sys.executable, "-m", "toolcollapse.cli", "rl", "--config", str(config)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     subprocess.run(cmd + ["--out", str(tmp_path / "full"), "--set", "threads=1"], check=True, env=env,
@@ -155,11 +191,16 @@ def test_sigkill_and_resume_reproduce_an_uninterrupted_run(tmp_path, init_checkp
                    capture_output=True)
     full, resumed = _metrics(tmp_path / "full"), _metrics(killed)
     assert [m["step"] for m in resumed] == list(range(5))
+    assert sum(m["frac_groups_informative"] > 0 for m in full) >= 2  # updates that carry a gradient
     assert resumed == full
+    start = load_file(answering_checkpoint / "model.safetensors")
+    ends = [load_file(run / "checkpoints" / "step_000005" / "model.safetensors") for run in (tmp_path / "full", killed)]
+    assert any(not torch.equal(start[k], ends[0][k]) for k in start)  # the weights moved ...
+    assert all(torch.equal(ends[0][k], ends[1][k]) for k in start)  # ... to the same place
 
 
 @pytest.mark.slow
-def test_skip_uninformative_steps_leaves_the_weights_alone(tmp_path, init_checkpoint):
+def test_skip_uninformative_steps_leaves_the_weights_alone(tmp_path, tiny_checkpoint):
     """The random tiny model never solves a task: every group is all-0. With the skip no update
     runs at all; without it, the update runs (zero advantages, so only the KL term and Adam's
     momentum could move the weights -- see the momentum test above)."""
@@ -168,8 +209,8 @@ def test_skip_uninformative_steps_leaves_the_weights_alone(tmp_path, init_checkp
     from toolcollapse.config import load_config
     from toolcollapse.rl import run_rl
 
-    config = _rl_config(tmp_path, init_checkpoint)
-    init = load_file(init_checkpoint / "model.safetensors")
+    config = _rl_config(tmp_path, tiny_checkpoint)
+    init = load_file(tiny_checkpoint / "model.safetensors")
     for skip in (True, False):
         cfg = load_config(config, [f"grpo.skip_uninformative_steps={str(skip).lower()}", "grpo.steps=2",
                                    "monitor.probe_every=0"])
@@ -182,3 +223,28 @@ def test_skip_uninformative_steps_leaves_the_weights_alone(tmp_path, init_checkp
         if skip:
             final = load_file(run_dir / "checkpoints" / "step_000002" / "model.safetensors")
             assert all(torch.equal(init[k], final[k]) for k in init)
+
+
+@pytest.mark.slow
+def test_a_new_run_replaces_an_old_one_only_with_overwrite_and_resume_keeps_its_config(tmp_path, tiny_checkpoint):
+    """Before: a run written over another truncated its metrics and checkpoint rotation deleted the new
+    run's checkpoints (the old step numbers sorted as newer)."""
+    from toolcollapse.config import ConfigError, load_config
+    from toolcollapse.rl import run_rl
+
+    run = tmp_path / "run"
+    old = run / "checkpoints" / "step_000050"
+    old.mkdir(parents=True)
+    (old / "COMPLETE").write_text("50")
+    (run / "metrics.jsonl").write_text('{"step": 49}\n')
+    (run / "config.yaml").write_text("grpo: {lr: 0.5}\n")
+    cfg = load_config(_rl_config(tmp_path, tiny_checkpoint), ["grpo.steps=2", "grpo.checkpoint_every=1",
+                                                               "monitor.probe_every=0"])
+    with pytest.raises(ConfigError, match="already holds a run"):
+        run_rl(cfg, run)
+    assert (old / "COMPLETE").is_file()
+    run_rl(cfg, run, overwrite=True)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+    assert [r["step"] for r in _metrics(run)] == [0, 1]
+    with pytest.raises(ConfigError, match=r"another config \(grpo\.lr"):
+        run_rl(load_config(run / "config.yaml", ["grpo.lr=0.5"]), run, resume=True)

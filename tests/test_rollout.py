@@ -104,3 +104,46 @@ def test_greedy_sampling_and_top_p():
     tok, lp = sample_next(logits.repeat(200, 1), SamplingParams(top_p=0.5), g)
     assert set(tok[0::2].tolist()) == {1} and set(tok[1::2].tolist()) == {0}  # only the top token survives
     assert torch.allclose(lp, torch.zeros_like(lp))  # renormalised: log 1
+
+
+class Scripted(torch.nn.Module):
+    """A policy that writes a fixed token script: every forward forces the script's next token, and a
+    one-token input equal to the token it forced advances it. Greedy, one sequence at a time."""
+
+    def __init__(self, inner, script: list[int]):
+        super().__init__()
+        self.inner, self.config, self.script, self.i = inner, inner.config, script, 0
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
+                logits_to_keep=0):
+        from toolcollapse.model import forward
+
+        out = forward(self.inner, input_ids, attention_mask, position_ids, past_key_values, logits_to_keep)
+        if input_ids.shape[1] == 1 and self.i < len(self.script) and int(input_ids[0, -1]) == self.script[self.i]:
+            self.i += 1
+        forced = torch.full_like(out.logits, -1e9)
+        forced[:, -1, self.script[min(self.i, len(self.script) - 1)]] = 0.0
+        out.logits = forced
+        return out
+
+
+@pytest.mark.parametrize("call_end", ["template", "sampled"])
+def test_an_oracle_policy_rolls_out_exactly_the_sft_tokens(tiny_model, tokenizer, world, call_end):
+    """Token-in/token-out in both call_end modes: a policy writing the reference turns produces the
+    conversation SFT trains on, with the loss mask on exactly the trainable tokens -- with `sampled`,
+    the <|im_end|> after each </tool_call> is the policy's (mask 1), with `template` the pipeline's (0)."""
+    from toolcollapse.chat import PieceEncoder, assistant_body
+
+    encoder = PieceEncoder(tokenizer)
+    task = world.tasks("test")[0]
+    script = [t for m in task.reference if m.role == "assistant" for t in encoder.encode(assistant_body(m, call_end))[0]]
+    engine = RolloutEngine(Scripted(tiny_model, script), tokenizer, world, call_end)
+    [ep] = engine.generate([task], SamplingParams(max_turns=10, max_new_tokens=96, greedy=True))
+    ids, mask = encoder.encode_conversation(list(task.prompt) + list(task.reference), call_end)
+    assert ep.tokens == ids[:len(ep.tokens)] and len(ids) - len(ep.tokens) == 1  # all but the final "\n"
+    assert ep.loss_mask == mask[:len(ep.tokens)]
+    assert ep.finish == "answered" and ep.success and all(t.parsed.state.healthy for t in ep.turns)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    after_calls = [ep.loss_mask[t.end - 1] for t in ep.turns if t.parsed.end == "call"
+                   if ep.tokens[t.end - 1] == im_end]
+    assert len(after_calls) == (sum(m.tool_call is not None for m in task.reference) if call_end == "sampled" else 0)

@@ -9,7 +9,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from gguf_fixture import write_tiny_gguf
+pytest.importorskip("gguf", reason="the GGUF loader needs the 'gguf' package: pip install 'toolcollapse[smol]'")
+
+from gguf_fixture import write_tiny_gguf  # noqa: E402  (imports gguf)
 from test_rl import TIMING_KEYS
 from toolcollapse import sources
 from toolcollapse.chat import CONTROL_TAGS, ENDOFTEXT, PieceEncoder, render_text
@@ -19,8 +21,6 @@ from toolcollapse.model import load_model
 from toolcollapse.records import Message, ToolCall
 from toolcollapse.runtime import read_jsonl
 from toolcollapse.sources import ModelSourceError, load_pretrained
-
-pytest.importorskip("gguf", reason="the GGUF loader needs the 'gguf' package: pip install 'toolcollapse[smol]'")
 
 ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 

@@ -53,14 +53,31 @@ def test_summarize_run_finds_collapse_and_the_first_probe_move(tmp_path):
             row["probe/tool_call/miss_required"] = 0.02 if step < 8 else 0.5
         rows.append(row)
     write_jsonl(tmp_path / "metrics.jsonl", rows)
-    s = summarize_run(tmp_path, steps=16)
+    s = summarize_run(tmp_path, steps=16, hold=3)
     assert s["healthy_start"] == pytest.approx(0.95)
-    assert s["collapsed"] and s["healthy_min"] == pytest.approx(0.05)
-    assert s["step_below_half"] == 9  # 5-step means: step 8 (0.95+0.95+0.7+0.4+0.2)/5 = 0.64, step 9 0.47 < 0.475
+    assert s["collapsed"] and s["healthy_min_smooth"] == pytest.approx(0.05)
+    assert s["collapse_step"] == 7  # 0.4, 0.2, 0.1 < 0.475 from step 7 on (raw rates, held 3 steps)
+    assert s["floor_step"] == 9  # 0.1, 0.05, 0.05 < 0.2 (0.2 itself is not below)
     assert s["step_uninformative"] == 9
     assert s["first_probe_move"] == "im_end/p_forbidden_max 0.010->0.400 @4"
     table = format_table([{"setting": "hot", "seed": 0, **s}])
     assert "| hot | 0 | 16/16 |" in table and "yes" in table
+
+
+def test_sweep_and_diagnose_share_one_collapse_definition(tmp_path):
+    """A dip that a 5-step mean smooths away is a collapse when it holds for `hold` raw steps, and the
+    sweep table and `diagnose` say so alike; a shorter dip is a collapse for neither."""
+    from toolcollapse.diagnose import diagnose_rows
+
+    for healthy, expected in (([0.9, 0.9, 0.9, 0.3, 0.3, 0.3, 0.9, 0.9, 0.9, 0.9], 3),
+                              ([0.9, 0.9, 0.9, 0.3, 0.3, 0.9, 0.9, 0.9, 0.9, 0.9], None)):
+        rows = [{"step": i, "healthy_rate": h, "reward_mean": 0.0, "frac_groups_informative": 1.0}
+                for i, h in enumerate(healthy)]
+        write_jsonl(tmp_path / "metrics.jsonl", rows)
+        s = summarize_run(tmp_path, steps=len(rows), hold=3)
+        d = diagnose_rows(rows, [], [], hold=3)
+        assert s["collapse_step"] == d.collapse_step == expected
+        assert s["collapsed"] == (expected is not None)
 
 
 def test_paired_comparison_sign_test():

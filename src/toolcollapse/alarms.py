@@ -13,9 +13,10 @@ policy (fixed inputs), flat until the policy moves, so without a floor a change 
 would be infinitely significant. With the defaults (threshold 8, floor 0.005) a probe
 probability must move by 0.04 to fire.
 
-**Collapse** (for judging alarms): the first step from which the healthy-turn rate stays
-below half its initial value (the step-0 rate, the starting policy) for `hold`
-consecutive steps.
+**Collapse** (`find_collapse`, the one definition `diagnose`, `sweep` and the tables use):
+the first step from which the healthy-turn rate stays below half its initial value (the
+step-0 rate, the starting policy) for `hold` consecutive steps; and, as a second
+reference point, the first step from which it stays below 20 % for `hold` steps.
 """
 
 from __future__ import annotations
@@ -200,13 +201,35 @@ def first_step_below(values: Sequence[float], threshold: float, hold: int = 1) -
 
 
 def collapse_step(healthy: Sequence[float], hold: int = 3, fraction: float = 0.5) -> int | None:
-    """First step from which the healthy-turn rate stays below `fraction` of its step-0 value for `hold` steps."""
+    """First index from which the healthy-turn rate stays below `fraction` of its first value for `hold` values."""
     return first_step_below(healthy, fraction * healthy[0], hold) if healthy else None
+
+
+COLLAPSE_FLOOR = 0.2  # the second reference point: healthy-turn rate below 20 %
+
+
+@dataclass(frozen=True)
+class Collapse:
+    step: int | None  # healthy rate below half its step-0 value for `hold` consecutive steps
+    floor_step: int | None  # ... below COLLAPSE_FLOOR for `hold` consecutive steps
+
+    @property
+    def collapsed(self) -> bool:
+        return self.step is not None
+
+
+def find_collapse(rows: Sequence[Mapping[str, Any]], hold: int) -> Collapse:
+    """The collapse of a run from its metric rows (their `healthy_rate`), as step numbers."""
+    healthy = [r["healthy_rate"] for r in rows]
+    at = lambda i: None if i is None else int(rows[i]["step"])  # noqa: E731
+    return Collapse(at(collapse_step(healthy, hold)), at(first_step_below(healthy, COLLAPSE_FLOOR, hold)))
 
 
 # ----------------------------------------------------------------------------- the default rules
 
-REQUIRED_SERIES = tuple(f"probe/{t}/miss_required" for t in ("tool_call", "tool_call_end", "im_end"))
+# (miss_after_call exists only with rollout.call_end: sampled; a series a run never logs never fires)
+REQUIRED_SERIES = (*(f"probe/{t}/miss_required" for t in ("tool_call", "tool_call_end", "im_end")),
+                   "probe/im_end/miss_after_call")
 
 
 def control_series(control_tokens: Sequence[str]) -> list[str]:

@@ -59,7 +59,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Literal, Mapping, Sequence
 
-from toolcollapse.chat import CONTROL_TAGS, ENDOFTEXT, IM_END, IM_START, TOOL_CALL, TOOL_CALL_END
+from toolcollapse.chat import CONTROL_TAGS, ENDOFTEXT, IM_END, IM_START, TOOL_CALL, TOOL_CALL_END, valid_text
 from toolcollapse.config import ConfigError
 from toolcollapse.parser import parse_turn, parse_turn_ids
 from toolcollapse.records import ErrorType, ParsedTurn, TurnState
@@ -374,7 +374,7 @@ def autopsy(rollouts: Iterable[DumpedRollout], tokenizer: Any,
         by_step[r.step].append(r)
     rows = []
     for step, group in sorted(by_step.items()):
-        texts = [t for r in group for t in r.assistant_turns]
+        texts = [valid_text(t) for r in group for t in r.assistant_turns]
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         # every tag one token: exactly the live parse; otherwise the missing tags can only be matched as text
         parsed = [parse_turn(decode(i), tools) if text_tags else parse_turn_ids(i, id_to_tag, decode, tools)

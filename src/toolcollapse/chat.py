@@ -14,16 +14,22 @@ tokens the rollout engine produces by appending a turn's pieces to the history
 
 What the policy generates in an assistant turn (`trainable=True`): everything after
 `<|im_start|>assistant\\n` up to and including the stop token, `</tool_call>` for a
-call and `<|im_end|>` for an answer. The `<|im_end|>` that closes a call turn is
-appended by the pipeline, as a template token.
+call and `<|im_end|>` for an answer. The `<|im_end|>` that closes a call turn is, by
+`call_end`:
+  template  appended by the pipeline after a sampled `</tool_call>`, as a template token
+            (never trained: its probability is whatever the model makes of it);
+  sampled   written by the policy, as Qwen2.5 and the paper's verl pipeline have it: the
+            turn stops on `<|im_end|>` only, and that token is trained.
+The rendered text is the same either way; what is trained and where a turn stops differ.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from toolcollapse.records import Message
+from toolcollapse.records import CallEnd, Message
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -34,6 +40,11 @@ TOOL_RESPONSE_END = "</tool_response>"
 ENDOFTEXT = "<|endoftext|>"
 CONTROL_TAGS: tuple[str, ...] = (ENDOFTEXT, IM_START, IM_END, TOOL_CALL, TOOL_CALL_END, TOOL_RESPONSE, TOOL_RESPONSE_END)
 STOP_TAGS: tuple[str, ...] = (TOOL_CALL_END, IM_END, ENDOFTEXT)  # a sampled one ends the assistant turn
+
+
+def stop_tags(call_end: CallEnd = "template") -> tuple[str, ...]:
+    """The tokens that end an assistant turn: with call_end `sampled`, </tool_call> does not."""
+    return (IM_END, ENDOFTEXT) if call_end == "sampled" else STOP_TAGS
 
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -60,6 +71,15 @@ CHAT_TEMPLATE = (
 )
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def valid_text(text: str) -> str:
+    """`text` with each unpaired surrogate replaced by U+FFFD. A model writes one as a JSON escape
+    (`"\\ud800"`); a tool can echo it; a tokenizer cannot encode it (no UTF-8 form)."""
+    return _SURROGATE.sub("\ufffd", text) if _SURROGATE.search(text) else text
+
+
 @dataclass(frozen=True)
 class Piece:
     text: str
@@ -72,36 +92,40 @@ def tag(name: str, trainable: bool = False) -> Piece:
     return Piece(name, special=True, trainable=trainable)
 
 
-def message_pieces(message: Message) -> list[Piece]:
+def message_pieces(message: Message, call_end: CallEnd = "template") -> list[Piece]:
     """One message as it sits in the history, trainable parts marked."""
     if message.role == "tool":
         return [tag(IM_START), Piece("user\n"), tag(TOOL_RESPONSE), Piece("\n" + message.content + "\n", literal=True),
                 tag(TOOL_RESPONSE_END), tag(IM_END), Piece("\n")]
     if message.role == "assistant":
-        return generation_prompt() + assistant_body(message) + turn_suffix(message.tool_call is not None)
+        return (generation_prompt() + assistant_body(message, call_end)
+                + turn_suffix(message.tool_call is not None, call_end))
     return [tag(IM_START), Piece(f"{message.role}\n{message.content}"), tag(IM_END), Piece("\n")]
 
 
-def assistant_body(message: Message) -> list[Piece]:
+def assistant_body(message: Message, call_end: CallEnd = "template") -> list[Piece]:
     """What the policy generates in an assistant turn, stop token included."""
     if message.tool_call is None:
         return [Piece(message.content, trainable=True), tag(IM_END, trainable=True)]
     prefix = [Piece(message.content + "\n", trainable=True)] if message.content else []
+    end = [tag(IM_END, True)] if call_end == "sampled" else []
     return prefix + [tag(TOOL_CALL, True), Piece("\n" + message.tool_call.to_json() + "\n", trainable=True),
-                     tag(TOOL_CALL_END, True)]
+                     tag(TOOL_CALL_END, True)] + end
 
 
-def turn_suffix(closed_on_call: bool) -> list[Piece]:
-    """Template tokens after the stop token: a call turn still needs its <|im_end|>."""
-    return [tag(IM_END), Piece("\n")] if closed_on_call else [Piece("\n")]
+def turn_suffix(closed_on_call: bool, call_end: CallEnd = "template") -> list[Piece]:
+    """Template tokens after the stop token: a call turn still needs its <|im_end|>, unless the
+    policy wrote it (call_end `sampled`)."""
+    return [tag(IM_END), Piece("\n")] if closed_on_call and call_end != "sampled" else [Piece("\n")]
 
 
 def generation_prompt() -> list[Piece]:
     return [tag(IM_START), Piece("assistant\n")]
 
 
-def conversation_pieces(messages: Iterable[Message], add_generation_prompt: bool = False) -> list[Piece]:
-    pieces = [p for m in messages for p in message_pieces(m)]
+def conversation_pieces(messages: Iterable[Message], add_generation_prompt: bool = False,
+                        call_end: CallEnd = "template") -> list[Piece]:
+    pieces = [p for m in messages for p in message_pieces(m, call_end)]
     return pieces + generation_prompt() if add_generation_prompt else pieces
 
 
@@ -116,7 +140,8 @@ class PieceEncoder:
     Text is encoded as `apply_chat_template` + tokenize would (a tag written in a
     system prompt becomes its control token, as in Qwen2.5's tool prompt), except
     `literal` pieces -- tool output -- where special-token matching is off, so a tool
-    result containing "<|im_end|>" stays text and cannot inject a control token.
+    result containing "<|im_end|>" stays text and cannot inject a control token. An
+    unpaired surrogate (no character, no UTF-8 form) is encoded as U+FFFD (`valid_text`).
     """
 
     def __init__(self, tokenizer: Any):
@@ -136,7 +161,8 @@ class PieceEncoder:
         todo = list(dict.fromkeys(t for t in texts if t not in cache))
         fresh: dict[str, list[int]] = {}
         if todo:
-            batch = self.tokenizer(todo, add_special_tokens=False, split_special_tokens=literal)["input_ids"]
+            batch = self.tokenizer([valid_text(t) for t in todo], add_special_tokens=False,
+                                   split_special_tokens=literal)["input_ids"]
             fresh = dict(zip(todo, batch))
             if len(cache) > self.max_cache_entries:
                 cache.clear()
@@ -158,5 +184,5 @@ class PieceEncoder:
             mask += [int(p.trainable)] * len(piece_ids)
         return ids, mask
 
-    def encode_conversation(self, messages: Sequence[Message]) -> tuple[list[int], list[int]]:
-        return self.encode(conversation_pieces(messages))
+    def encode_conversation(self, messages: Sequence[Message], call_end: CallEnd = "template") -> tuple[list[int], list[int]]:
+        return self.encode(conversation_pieces(messages, call_end=call_end))

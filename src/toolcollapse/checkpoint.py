@@ -54,7 +54,14 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
 
 def load_trainer_state(path: Path, optimizer: torch.optim.Optimizer) -> int:
     """Restore optimizer and RNG states; returns the number of steps already taken."""
-    state = torch.load(Path(path) / "trainer.pt", weights_only=False)
-    optimizer.load_state_dict(state["optimizer"])
-    _set_rng_state(state["rng"])
-    return int(state["step"])
+    from toolcollapse.model import CheckpointError
+
+    file = Path(path) / "trainer.pt"
+    try:
+        state = torch.load(file, weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        _set_rng_state(state["rng"])
+        return int(state["step"])
+    except Exception as err:  # truncated, not a torch file, another optimizer's state, ...
+        raise CheckpointError(f"{file}: the optimizer and RNG state do not load ({type(err).__name__}: {err}); "
+                              f"delete {path} to resume from the checkpoint before it") from None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Callable
 
 from toolcollapse.config import SPLITS, ConfigError, RunConfig, load_config
 
@@ -27,12 +28,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "trajectories")
     _add_config_args(p, required=True)
     p.add_argument("--out", help="checkpoint directory (default: <out_dir>/sft)")
+    p.add_argument("--overwrite", action="store_true", help="replace the run already in that directory")
 
     p = sub.add_parser("rl", help="GRPO from a checkpoint, or continue a run with --resume")
     _add_config_args(p, required=False)
     p.add_argument("--init", help="checkpoint to start from (and to use as the KL reference)")
     p.add_argument("--out", help="run directory (default: <out_dir>/rl)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace the run already in the run directory")
 
     p = sub.add_parser("sweep", help="run a sweep file (settings x seeds) and print the collapse table")
     p.add_argument("sweep_file", help="sweep YAML (see configs/study/)")
@@ -86,8 +89,8 @@ def _eval_config(args: argparse.Namespace) -> RunConfig:
 
 def _rl_config(args: argparse.Namespace) -> tuple[RunConfig, Path]:
     if args.resume:
-        if args.config or args.init:
-            raise ConfigError("--resume continues a run with its saved config; drop --config and --init")
+        if args.config or args.init or args.overwrite:
+            raise ConfigError("--resume continues a run with its saved config; drop --config, --init and --overwrite")
         run_dir = Path(args.resume)
         from toolcollapse.rl import resume_config
 
@@ -103,7 +106,11 @@ def _rl_config(args: argparse.Namespace) -> tuple[RunConfig, Path]:
         raise ConfigError("rl needs a starting checkpoint: --init CHECKPOINT (or init: in the config)")
     if not (Path(cfg.init) / "config.json").is_file():
         raise ConfigError(f"init checkpoint not found: {cfg.init} (no config.json there)")
-    return cfg, Path(args.out) if args.out else Path(cfg.out_dir) / "rl"
+    run_dir = Path(args.out) if args.out else Path(cfg.out_dir) / "rl"
+    from toolcollapse.rl import check_run_start
+
+    check_run_start(cfg, run_dir, resume=False, overwrite=args.overwrite)
+    return cfg, run_dir
 
 
 def _describe_world(cfg: RunConfig, show: int) -> None:
@@ -116,7 +123,7 @@ def _describe_world(cfg: RunConfig, show: int) -> None:
     env = make_env(cfg)
     for split in env.splits:
         tasks = env.tasks(split)
-        replay = replay_references(env, tasks, split)
+        replay = replay_references(env, tasks, split, cfg.rollout.call_end)
         calls = Counter(t.meta.get("n_calls") for t in tasks)
         print(f"{split}: {len(tasks)} tasks, calls per task {dict(sorted(calls.items()))}; oracle replay: "
               f"success {replay.success_rate:.1%}, healthy turns {replay.healthy_rate:.1%} "
@@ -153,61 +160,61 @@ def _diagnose(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        if args.command == "eval":
-            cfg = _eval_config(args)
-        elif args.command == "rl":
-            cfg, run_dir = _rl_config(args)
-        elif args.command == "sweep":
-            from toolcollapse.sweep import load_sweep
+def _prepare(args: argparse.Namespace) -> Callable[[], None]:
+    """Validate everything the command needs -- config, paths, packages, its output directory --
+    and return the work itself; a ConfigError here means nothing was done."""
+    if args.command == "sweep":
+        from toolcollapse.sweep import format_table, load_sweep, run_sweep, summarize_runs
 
-            sweep, specs = load_sweep(args.sweep_file, args.overrides)
-        elif args.command == "diagnose":
-            from transformers.utils import logging as hf_logging
+        sweep, specs = load_sweep(args.sweep_file, args.overrides)
 
-            hf_logging.disable_progress_bar()
-            return _diagnose(args)  # its ConfigErrors (a bad dump, a missing path) exit 2 too
-        else:
-            cfg = load_config(args.config, args.overrides)
-        if args.command in ("sft", "rl", "eval", "world"):  # a missing package, model or data, before any work
-            from toolcollapse.envs import check_env
-            from toolcollapse.sources import check_lora, check_source
+        def run_and_summarize() -> None:
+            if not args.summary_only:
+                run_sweep(sweep, specs)
+            print(format_table(summarize_runs(sweep, specs)))
+        return run_and_summarize
+    if args.command == "rl":
+        cfg, run_dir = _rl_config(args)
+    elif args.command == "eval":
+        cfg = _eval_config(args)
+    else:
+        cfg = load_config(args.config, args.overrides)
+    if args.command == "sft":
+        from toolcollapse.runtime import check_new_run_dir
 
-            check_env(cfg)
-            check_lora(cfg.model.lora)
-            if args.command == "sft":
-                check_source(cfg.model.source)
-    except ConfigError as err:
-        print(f"toolcollapse: error: {err}", file=sys.stderr)
-        return 2
+        check_new_run_dir(Path(args.out) if args.out else Path(cfg.out_dir) / "sft", args.overwrite, "sft")
+    from toolcollapse.envs import check_env
+    from toolcollapse.sources import check_lora, check_source
 
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars on every checkpoint
-
+    check_env(cfg)  # a missing package, model or data
+    check_lora(cfg.model.lora)
     if args.command == "sft":
         from toolcollapse.sft import run_sft
 
-        run_sft(cfg, args.out)
-    elif args.command == "rl":
+        check_source(cfg.model.source)
+        return lambda: run_sft(cfg, args.out, overwrite=args.overwrite)
+    if args.command == "rl":
         from toolcollapse.rl import run_rl
 
-        run_rl(cfg, run_dir, resume=bool(args.resume))
-    elif args.command == "sweep":
-        from toolcollapse.sweep import format_table, run_sweep, summarize_runs
-
-        if not args.summary_only:
-            run_sweep(sweep, specs)
-        print(format_table(summarize_runs(sweep, specs)))
-    elif args.command == "world":
-        _describe_world(cfg, args.show)
-    elif args.command == "eval":
+        return lambda: run_rl(cfg, run_dir, resume=bool(args.resume), overwrite=args.overwrite)
+    if args.command == "eval":
         from toolcollapse.evaluate import format_summary, run_eval
 
-        summary = run_eval(args.checkpoint, cfg, args.out)
-        print(format_summary(summary))
+        return lambda: print(format_summary(run_eval(args.checkpoint, cfg, args.out)))
+    return lambda: _describe_world(cfg, args.show)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        work = (lambda: _diagnose(args)) if args.command == "diagnose" else _prepare(args)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars on every checkpoint
+        work()  # a corrupt checkpoint found while loading is a ConfigError too (model.CheckpointError)
+    except ConfigError as err:
+        print(f"toolcollapse: error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

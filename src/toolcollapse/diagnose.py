@@ -22,14 +22,13 @@ from pathlib import Path
 from statistics import median
 from typing import Any, Mapping, Sequence
 
-from toolcollapse.alarms import Alarm, Rule, collapse_step, control_rules, control_series, first_step_below, replay
+from toolcollapse.alarms import COLLAPSE_FLOOR, Alarm, Rule, control_rules, control_series, find_collapse, replay
 from toolcollapse.config import MonitorConfig, RunConfig
 
 # Series any trainer logs, watched for a change in either direction (the healthy rate: for a fall).
 BASELINES = {"entropy": 0, "approx_kl_old": 0, "grad_norm": 0, "reward_std_within_group": 0,
              "response_tokens": 0, "healthy_rate": -1}
 BASELINE_WARMUP = 5  # observations: the baselines are noisy, their warm-up has to show their spread
-COLLAPSE_FLOOR = 0.2  # the second reference point: healthy-turn rate below 20 %
 
 
 def baseline_rules(detector: str, warmup: int) -> list[Rule]:
@@ -70,15 +69,11 @@ class RunDiagnosis:
 def diagnose_rows(rows: Sequence[Mapping[str, Any]], rules: Sequence[Rule], baselines: Sequence[Rule],
                   hold: int, run: str = "") -> RunDiagnosis:
     healthy = [r["healthy_rate"] for r in rows]
+    collapse = find_collapse(rows, hold)
     return RunDiagnosis(
         run=run, steps_done=len(rows), healthy_start=healthy[0], healthy_min=min(healthy),
-        collapse_step=_step(rows, collapse_step(healthy, hold)),
-        below_floor_step=_step(rows, first_step_below(healthy, COLLAPSE_FLOOR, hold)),
+        collapse_step=collapse.step, below_floor_step=collapse.floor_step,
         alarms=replay(rules, rows), baseline_alarms=replay(baselines, rows))
-
-
-def _step(rows: Sequence[Mapping[str, Any]], index: int | None) -> int | None:
-    return None if index is None else int(rows[index]["step"])
 
 
 def read_run(run_dir: Path) -> tuple[RunConfig, list[dict[str, Any]]]:
@@ -147,9 +142,8 @@ def lead_table(runs: Sequence[tuple[str, Sequence[Mapping[str, Any]]]], panel: M
     """For each panel row: alarms before collapse and their lead on collapsing runs; false alarms on the rest."""
     judged = []
     for name, rows in runs:
-        healthy = [r["healthy_rate"] for r in rows]
-        judged.append((name, rows, _step(rows, collapse_step(healthy, hold)),
-                       _step(rows, first_step_below(healthy, COLLAPSE_FLOOR, hold))))
+        collapse = find_collapse(rows, hold)
+        judged.append((name, rows, collapse.step, collapse.floor_step))
     out = []
     for label, rules in panel.items():
         leads, floor_leads, missed, false = [], [], [], []
@@ -223,9 +217,8 @@ def autopsy_dump(path: Path, tokenizer: str, fmt: str = "auto", tools: str | Non
     rows, notes = run_autopsy(path, tokenizer, fmt, tools, batch_size)
     out_dir = Path(out_dir) if out_dir else Path(path).with_name(Path(path).stem + "_diagnose")
     out_dir.mkdir(parents=True, exist_ok=True)
-    healthy = [r["healthy_rate"] for r in rows]
     summary = {"dump": str(path), "steps": len(rows), "notes": notes, "rows": rows,
-               "collapse_step": _step(rows, collapse_step(healthy, 3)) if rows else None}
+               "collapse_step": find_collapse(rows, MonitorConfig.collapse_hold).step if rows else None}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if figures and rows:
         from toolcollapse.figures import plot_errors, plot_states

@@ -16,15 +16,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from transformers import AutoTokenizer
-
-from toolcollapse.config import RunConfig
-from toolcollapse.envs import make_env
-from toolcollapse.model import load_model
 from toolcollapse.chat import assistant_body
+from toolcollapse.config import ConfigError, RunConfig, checkpoint_problems
+from toolcollapse.envs import make_env
 from toolcollapse.envs.base import Environment
+from toolcollapse.model import load_model, load_tokenizer
 from toolcollapse.parser import describe, parse_turn
-from toolcollapse.records import Episode, ErrorType, Task, TurnState
+from toolcollapse.records import CallEnd, Episode, ErrorType, Task, TurnState
 from toolcollapse.rollout import RolloutEngine, SamplingParams
 from toolcollapse.runtime import set_threads, write_jsonl
 
@@ -43,6 +41,7 @@ class EvalSummary:
     success_by_template: dict[str, float]
     mean_turns: float
     seconds: float = 0.0
+    limits: dict[str, Any] | None = None  # the rollout limits it ran under (rollout_limits): compare like with like
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -58,7 +57,8 @@ def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
-def summarize(episodes: Sequence[Episode], tasks: dict[str, Task], split: str, seconds: float = 0.0) -> EvalSummary:
+def summarize(episodes: Sequence[Episode], tasks: dict[str, Task], split: str, seconds: float = 0.0,
+              limits: dict[str, Any] | None = None) -> EvalSummary:
     turns = [t for ep in episodes for t in ep.turns]
     states = Counter(t.parsed.state for t in turns)
     errors = Counter(e for t in turns for e in t.parsed.errors)
@@ -75,7 +75,7 @@ def summarize(episodes: Sequence[Episode], tasks: dict[str, Task], split: str, s
         error_counts={e.value: errors[e] for e in ErrorType if errors[e]},
         finish_counts=dict(Counter(ep.finish for ep in episodes)),
         success_by_template={k: sum(v) / len(v) for k, v in sorted(by_template.items())},
-        mean_turns=len(turns) / max(1, len(episodes)), seconds=seconds,
+        mean_turns=len(turns) / max(1, len(episodes)), seconds=seconds, limits=limits,
     )
 
 
@@ -115,7 +115,8 @@ class ReplayResult:
     failures: tuple[str, ...]  # ids of tasks whose replay was unhealthy or unsuccessful
 
 
-def replay_references(env: Environment, tasks: Sequence[Task], split: str) -> ReplayResult:
+def replay_references(env: Environment, tasks: Sequence[Task], split: str,
+                      call_end: CallEnd = "template") -> ReplayResult:
     """Feed each task's ground-truth assistant turns through the parser and the environment,
     as a policy that writes exactly the reference would be: every turn should parse healthy,
     the observations after each turn should equal the reference's messages up to its next
@@ -129,7 +130,7 @@ def replay_references(env: Environment, tasks: Sequence[Task], split: str) -> Re
         for i, msg in enumerate(task.reference):
             if msg.role != "assistant":
                 continue
-            parsed = parse_turn("".join(p.text for p in assistant_body(msg)), state.tools)
+            parsed = parse_turn("".join(p.text for p in assistant_body(msg, call_end)), state.tools, call_end)
             turns += 1
             healthy += parsed.state.healthy
             observations = env.step(state, parsed)
@@ -150,18 +151,31 @@ def sampling_params(cfg: RunConfig, greedy: bool) -> SamplingParams:
                           greedy=greedy, batch_size=r.batch_size)
 
 
+def rollout_limits(cfg: RunConfig, greedy: bool) -> dict[str, Any]:
+    """What an evaluation's figures depend on besides the model and the tasks."""
+    p = sampling_params(cfg, greedy)
+    limits = {"max_turns": p.max_turns, "max_new_tokens": p.max_new_tokens, "max_seq_len": p.max_seq_len,
+              "greedy": greedy, "call_end": cfg.rollout.call_end}
+    if not greedy:
+        limits.update(temperature=p.temperature, top_p=p.top_p, seed=cfg.seed)
+    return limits
+
+
 def run_eval(checkpoint: str | Path, cfg: RunConfig, out_path: str | Path | None = None) -> EvalSummary:
-    set_threads(cfg.threads)
     checkpoint = Path(checkpoint)
+    problems = checkpoint_problems(cfg, checkpoint)
+    if problems:
+        raise ConfigError(problems[0])
+    set_threads(cfg.threads)
     model = load_model(checkpoint)
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    tokenizer = load_tokenizer(checkpoint)
     env = make_env(cfg)
     tasks = env.tasks(cfg.eval.split, cfg.eval.n_tasks)
-    engine = RolloutEngine(model, tokenizer, env)
+    engine = RolloutEngine(model, tokenizer, env, cfg.rollout.call_end)
     t0 = time.time()
     episodes = engine.generate(tasks, sampling_params(cfg, cfg.eval.greedy), seed=cfg.seed, show_progress=True)
     by_id = {t.id: t for t in tasks}
-    summary = summarize(episodes, by_id, cfg.eval.split, time.time() - t0)
+    summary = summarize(episodes, by_id, cfg.eval.split, time.time() - t0, rollout_limits(cfg, cfg.eval.greedy))
     if out_path is None:
         tag = "" if cfg.eval.greedy else "-sampled"
         out_path = checkpoint / "eval" / f"{cfg.eval.split}{tag}.jsonl"

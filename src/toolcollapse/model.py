@@ -13,7 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import (AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM,
+                          PreTrainedModel)
+
+from toolcollapse.config import ConfigError
 
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, intermediate_size=352),
@@ -39,29 +42,72 @@ def build_model(preset: str, vocab_size: int, max_seq_len: int, pad_token_id: in
     return model
 
 
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be used -- an unreadable or truncated file, non-finite weights --
+    named with the file and the fault, found before anything is written."""
+
+
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, trainable: bool = False) -> PreTrainedModel:
     """A checkpoint directory: a full `save_pretrained` model, or LoRA adapters (peft's
-    adapter_config.json) on top of the base model they name, trainable or frozen."""
+    adapter_config.json) on top of the base model they name, trainable or frozen.
+    Raises CheckpointError for a file that does not load or a weight that is not finite."""
     path = Path(path)
     if (path / "adapter_config.json").is_file():
         from peft import PeftConfig, PeftModel
-        from transformers import AutoTokenizer
 
         from toolcollapse.sources import add_control_tokens
 
         base_path = Path(PeftConfig.from_pretrained(path).base_model_name_or_path)
         if not (base_path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} holds LoRA adapters on {base_path}, which is not a model directory")
+            raise CheckpointError(f"{path} holds LoRA adapters on {base_path}, which is not a model directory")
         base = load_model(base_path, dtype)
         # adapters trained on a model that RL gave extra control tags: grow the base the same way
         # (the adapters then carry the grown embedding matrices themselves)
-        add_control_tokens(base, AutoTokenizer.from_pretrained(base_path))
-        return PeftModel.from_pretrained(base, path, is_trainable=trainable)
+        add_control_tokens(base, load_tokenizer(base_path))
+        try:
+            model = PeftModel.from_pretrained(base, path, is_trainable=trainable)
+        except Exception as err:
+            raise CheckpointError(f"{path}: the LoRA adapters do not load: {_file_fault(path) or err}") from None
+        return check_finite(model, path)
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is not a checkpoint directory (no config.json); "
-                                "pass the directory that `toolcollapse sft` wrote")
-    # the resolved path is what LoRA adapters trained on this model record as their base
-    return AutoModelForCausalLM.from_pretrained(path.resolve(), dtype=dtype)
+        raise CheckpointError(f"{path} is not a checkpoint directory (no config.json); "
+                              "pass the directory that `toolcollapse sft` wrote")
+    try:  # the resolved path is what LoRA adapters trained on this model record as their base
+        model = AutoModelForCausalLM.from_pretrained(path.resolve(), dtype=dtype)
+    except Exception as err:  # safetensors' SafetensorError, a bad config.json, a missing shard ...
+        raise CheckpointError(f"{path}: the model does not load: {_file_fault(path) or err}") from None
+    return check_finite(model, path)
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as err:
+        raise CheckpointError(f"{path}: the tokenizer does not load ({type(err).__name__}: {err})") from None
+
+
+def _file_fault(path: Path) -> str:
+    """Which weight file of a checkpoint directory is unreadable, and why ('' if none is)."""
+    from safetensors import safe_open
+
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(file, "pt") as f:
+                for key in f.keys():
+                    f.get_slice(key)
+        except Exception as err:
+            return f"{file}: {err}"
+    return ""
+
+
+def check_finite(model: torch.nn.Module, path: Path) -> Any:
+    """The model, if every weight is finite; else CheckpointError naming the first bad tensor."""
+    for name, p in model.named_parameters():
+        bad = ~torch.isfinite(p.detach())
+        if bad.any():
+            raise CheckpointError(f"{path}: weight {name} holds {int(bad.sum())} non-finite values (NaN or inf) "
+                                  f"of {p.numel()}; the checkpoint is unusable")
+    return model
 
 
 def n_params(model: torch.nn.Module) -> int:

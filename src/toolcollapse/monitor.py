@@ -14,10 +14,13 @@ oracle tokens it predicts:
     answer_start  the first token of the final answer ("where the answer belongs")
     answer_body   inside the answer text
     answer_end    right after the answer (target <|im_end|>)
+    call_turn_end right after </tool_call> (target <|im_end|>), a trained position only
+                  with `rollout.call_end: sampled` (else that <|im_end|> is a template token)
 
 For each control token c and slot s the probe reports the mean probability
 `probe/<c>/p@<s>`; from these, `miss_required` is 1 - p(c) where c is the target
 (`<tool_call>` at call_open, `</tool_call>` at call_close, `<|im_end|>` at answer_end),
+`probe/im_end/miss_after_call` is 1 - p(`<|im_end|>`) at call_turn_end,
 and `p_forbidden_{mean,max,p99}` is c's probability over the slots where emitting it
 makes the parser reject the turn (FORBIDDEN below). `<tool_call>` at answer_start is
 not forbidden (a call instead of an answer is well-formed) but it is the paper's
@@ -46,15 +49,17 @@ class Slot(enum.IntEnum):
     ANSWER_START = 3
     ANSWER_BODY = 4
     ANSWER_END = 5
+    CALL_TURN_END = 6
 
 
 SLOT_NAMES = {s: s.name.lower() for s in Slot}
 REQUIRED: dict[str, Slot] = {TOOL_CALL: Slot.CALL_OPEN, TOOL_CALL_END: Slot.CALL_CLOSE, IM_END: Slot.ANSWER_END}
+REQUIRED_AFTER_CALL = IM_END  # ... and at CALL_TURN_END: `miss_after_call`
 _ALL = frozenset(Slot)
 # Slots where sampling the token makes the turn malformed (parser.py). <|im_end|> inside answer text only
 # truncates the answer, and <tool_call> where the answer belongs is a well-formed (wrong) move: not forbidden.
 FORBIDDEN: dict[str, frozenset[Slot]] = {
-    TOOL_CALL: frozenset({Slot.CALL_BODY, Slot.CALL_CLOSE, Slot.ANSWER_BODY, Slot.ANSWER_END}),
+    TOOL_CALL: frozenset({Slot.CALL_BODY, Slot.CALL_CLOSE, Slot.ANSWER_BODY, Slot.ANSWER_END, Slot.CALL_TURN_END}),
     TOOL_CALL_END: _ALL - {Slot.CALL_CLOSE},
     IM_END: frozenset({Slot.CALL_OPEN, Slot.CALL_BODY, Slot.CALL_CLOSE, Slot.ANSWER_START}),
     IM_START: _ALL,
@@ -74,7 +79,7 @@ def slots(ids: Sequence[int], mask: Sequence[int], tool_call_id: int, tool_call_
     call turn is `<tool_call> body </tool_call>`; an answer turn is `text <|im_end|>`.
     """
     out: list[Slot] = []
-    in_call, turn_start = False, True
+    in_call, turn_start, after_call = False, True, False
     for tok, m in zip(ids, mask):
         if not m:
             turn_start = True
@@ -88,10 +93,10 @@ def slots(ids: Sequence[int], mask: Sequence[int], tool_call_id: int, tool_call_
         elif in_call:
             out.append(Slot.CALL_BODY)
         elif tok == im_end_id:
-            out.append(Slot.ANSWER_END)
+            out.append(Slot.CALL_TURN_END if after_call else Slot.ANSWER_END)
         else:
             out.append(Slot.ANSWER_START if turn_start else Slot.ANSWER_BODY)
-        turn_start = False
+        turn_start, after_call = False, tok == tool_call_end_id
     return out
 
 
@@ -111,6 +116,8 @@ def control_token_stats(logp: torch.Tensor, slot_of: torch.Tensor, token_ids: Ma
                 out[f"{key}/p@{SLOT_NAMES[slot]}"] = p[here].mean().item()
         if name in REQUIRED and (slot_of == REQUIRED[name]).any():
             out[f"{key}/miss_required"] = 1.0 - p[slot_of == REQUIRED[name]].mean().item()
+        if name == REQUIRED_AFTER_CALL and (slot_of == Slot.CALL_TURN_END).any():
+            out[f"{key}/miss_after_call"] = 1.0 - p[slot_of == Slot.CALL_TURN_END].mean().item()
         forbidden = torch.zeros_like(slot_of, dtype=torch.bool)
         for slot in FORBIDDEN.get(name, _ALL):
             forbidden |= slot_of == slot
@@ -157,10 +164,12 @@ def build_probe(examples: Sequence[tuple[list[int], list[int]]], pad_id: int, to
 
 
 @torch.no_grad()
-def run_probe(model: Any, probe: ProbeSet, token_ids: Mapping[str, int]) -> dict[str, float]:
+def run_probe(model: Any, probe: ProbeSet, token_ids: Mapping[str, int], temperature: float = 1.0) -> dict[str, float]:
+    """Control-token statistics of the probe set under the sampling distribution (logits / temperature)."""
     was_training = model.training
     model.eval()
-    logp = torch.log_softmax(logits_at(model, probe.input_ids, probe.select, probe.prefix_len).float(), dim=-1)
+    logits = logits_at(model, probe.input_ids, probe.select, probe.prefix_len).float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
     model.train(was_training)
     return control_token_stats(logp, probe.slot_of, token_ids)
 

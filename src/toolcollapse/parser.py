@@ -5,6 +5,11 @@ Grammar of an assistant turn (what follows `<|im_start|>assistant\\n`):
     call     := WS <tool_call> WS JSON WS </tool_call> [WS <|im_end|>]
     response := TEXT <|im_end|>          (TEXT non-empty, no control token)
 
+With `call_end="sampled"` (the policy writes the <|im_end|> closing a call turn, and the
+turn stops only there) that <|im_end|> is required: a call turn cut off after
+</tool_call> is missing_end_of_turn, and a turn holding a closed call and ending on
+<|im_end|> is a call turn, whatever text surrounds the call (text_outside_call).
+
 JSON must be {"name": <known tool>, "arguments": <object valid for its schema>}.
 
 States (arXiv 2606.26027 names them; the boundaries are ours):
@@ -18,7 +23,14 @@ States (arXiv 2606.26027 names them; the boundaries are ours):
                                     degenerates into repetition.
 
 The parser never raises, and its cost is linear in the input, which is capped at
-`MAX_CHARS` (head and tail kept, so the terminator is still seen).
+`MAX_CHARS` (head and tail kept, so the terminator is still seen). The cap cuts text
+runs *between* control tags, never the tags, and never joins the pieces it keeps into
+a new tag: `<tool_` ... `call>` stays text.
+
+Arguments are held to strict JSON (RFC 8259, and I-JSON's RFC 7493 on strings):
+`NaN`, `Infinity`, a number that overflows to infinity (`1e999999`) and an unpaired
+surrogate escape (`"\\ud800"`, which is no character) make a call `bad_arguments`
+(tools.validate_arguments), although Python's `json` module reads them.
 """
 
 from __future__ import annotations
@@ -28,12 +40,14 @@ import re
 from typing import Any, Callable, Mapping, Sequence
 
 from toolcollapse.chat import CONTROL_TAGS, ENDOFTEXT, IM_END, TOOL_CALL, TOOL_CALL_END
-from toolcollapse.records import ErrorType, ParsedTurn, ToolCall, TurnState
+from toolcollapse.records import CallEnd, ErrorType, ParsedTurn, ToolCall, TurnState
 from toolcollapse.tools import ToolSpec, validate_arguments
 
 E = ErrorType
 COLLAPSE_ERRORS = frozenset({E.UNCLOSED_CALL, E.MISSING_END_OF_TURN, E.EMPTY_TURN, E.DEGENERATE_REPETITION})
 MAX_CHARS = 65_536
+MAX_DEPTH = 64  # JSON nesting of a call: deeper is bad_arguments, and the call is not kept (nothing
+# downstream -- validation, the tool process's pickles, JSONL records -- has to walk 900 levels)
 REPEAT_MIN_UNITS = 4  # a unit of 1-64 chars repeated at least this often ...
 REPEAT_MIN_SPAN = 32  # ... over at least this many chars is degenerate
 _REPEAT = re.compile(r"(.{1,64}?)\1{%d,}" % (REPEAT_MIN_UNITS - 1), re.S)
@@ -42,23 +56,24 @@ _TAG_SPLIT = re.compile("(" + "|".join(re.escape(t) for t in CONTROL_TAGS) + ")"
 Segment = tuple[bool, str]  # (is a control tag, text)
 
 
-def parse_turn(text: str, tools: Mapping[str, ToolSpec] | None = None) -> ParsedTurn:
+def parse_turn(text: str, tools: Mapping[str, ToolSpec] | None = None, call_end: CallEnd = "template") -> ParsedTurn:
     """Parse an assistant turn given as text (control tags written out)."""
     try:
-        return parse_segments(text_segments(text), tools)
+        return parse_segments(text_segments(text), tools, call_end)
     except Exception as err:  # pragma: no cover - fuzzed unguarded in the tests; never take a run down
         return _internal_error(err)
 
 
 def text_segments(text: str) -> list[Segment]:
-    return [(s in CONTROL_TAGS, s) for s in _TAG_SPLIT.split(_cap(text)) if s]
+    """Control tags and the text between them, capped (the cut never creates a tag)."""
+    return _cap_segments([(s in CONTROL_TAGS, s) for s in _TAG_SPLIT.split(text) if s])
 
 
 def parse_turn_ids(ids: Sequence[int], id_to_tag: Mapping[int, str], decode: Callable[[list[int]], str],
-                   tools: Mapping[str, ToolSpec] | None = None) -> ParsedTurn:
+                   tools: Mapping[str, ToolSpec] | None = None, call_end: CallEnd = "template") -> ParsedTurn:
     """Parse a turn given as token ids: only real control tokens count as tags."""
     try:
-        return parse_segments(id_segments(ids, id_to_tag, decode), tools)
+        return parse_segments(id_segments(ids, id_to_tag, decode), tools, call_end)
     except Exception as err:  # pragma: no cover - fuzzed unguarded in the tests
         return _internal_error(err)
 
@@ -80,7 +95,8 @@ def id_segments(ids: Sequence[int], id_to_tag: Mapping[int, str],
     return _cap_segments(segments)
 
 
-def parse_segments(segments: Sequence[Segment], tools: Mapping[str, ToolSpec] | None) -> ParsedTurn:
+def parse_segments(segments: Sequence[Segment], tools: Mapping[str, ToolSpec] | None,
+                   call_end: CallEnd = "template") -> ParsedTurn:
     errors: list[ErrorType] = []
     notes: list[str] = []
 
@@ -100,7 +116,12 @@ def parse_segments(segments: Sequence[Segment], tools: Mapping[str, ToolSpec] | 
         flag(E.MISSING_END_OF_TURN, "turn ended without <|im_end|> or </tool_call> (token budget or end of text)")
 
     bodies, outside, open_body = _split_calls(segs, flag)
-    closed_at_end = bool(bodies) and _last_structure_is_call_end(segs)
+    if call_end == "sampled":  # a call turn ends on the policy's own <|im_end|>
+        closed_at_end = bool(bodies) and ended_on_im_end
+        if bodies and not ended_on_im_end and _last_structure_is_call_end(segs):
+            flag(E.MISSING_END_OF_TURN, "the call turn ended without its <|im_end|> (rollout.call_end: sampled)")
+    else:
+        closed_at_end = bool(bodies) and _last_structure_is_call_end(segs)
     if open_body is not None:
         flag(E.UNCLOSED_CALL, "<tool_call> was never closed")
     outside_text = "".join(outside)
@@ -176,6 +197,9 @@ def _parse_call(body: str, tools: Mapping[str, ToolSpec] | None,
     except (ValueError, RecursionError):
         flag(E.INVALID_JSON, f"call body is not JSON: {body.strip()[:40]!r}")
         return None
+    if _nests_deeper(obj, MAX_DEPTH):
+        flag(E.BAD_ARGUMENTS, f"the call's JSON nests deeper than {MAX_DEPTH} levels")
+        return None
     if not (isinstance(obj, dict) and set(obj) == {"name", "arguments"}
             and isinstance(obj["name"], str) and isinstance(obj["arguments"], dict)):
         flag(E.BAD_CALL_SCHEMA, 'call must be {"name": string, "arguments": object}')
@@ -190,6 +214,18 @@ def _parse_call(body: str, tools: Mapping[str, ToolSpec] | None,
             if problems:
                 flag(E.BAD_ARGUMENTS, "; ".join(problems))
     return call
+
+
+def _nests_deeper(value: Any, limit: int) -> bool:
+    """Whether lists and objects nest more than `limit` levels (walked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return False
 
 
 def _looks_like_call(text: str) -> bool:
@@ -207,31 +243,27 @@ def _degenerate(text: str) -> bool:
     return any(m.end() - m.start() >= REPEAT_MIN_SPAN for m in _REPEAT.finditer(text))
 
 
-def _cap(text: str) -> str:
-    if len(text) <= MAX_CHARS:
-        return text
-    return text[: MAX_CHARS // 2] + text[-MAX_CHARS // 2:]
-
-
 def _cap_segments(segments: list[Segment]) -> list[Segment]:
-    total = sum(len(s) for _, s in segments)
-    if total <= MAX_CHARS:
+    """About MAX_CHARS of segments: a head and a tail of disjoint segments, cut inside text runs
+    only. The kept pieces stay separate segments, so nothing downstream reads a tag across the cut,
+    and no segment is kept twice."""
+    if sum(len(s) for _, s in segments) <= MAX_CHARS:
         return segments
-    keep: list[Segment] = []
-    budget = MAX_CHARS // 2
-    for is_tag, s in segments:  # head
-        if budget <= 0:
-            break
-        keep.append((is_tag, s if is_tag else s[:budget]))
-        budget -= len(s)
+    half = MAX_CHARS // 2
+    head: list[Segment] = []
+    used, i = 0, 0
+    while i < len(segments) and used < half:
+        is_tag, s = segments[i]
+        head.append((is_tag, s if is_tag else s[:half - used]))
+        used, i = used + len(s), i + 1
     tail: list[Segment] = []
-    budget = MAX_CHARS // 2
-    for is_tag, s in reversed(segments):
-        if budget <= 0:
-            break
-        tail.append((is_tag, s if is_tag else s[-budget:]))
-        budget -= len(s)
-    return keep + tail[::-1]
+    used, j = 0, len(segments)
+    while j > i and used < half:
+        j -= 1
+        is_tag, s = segments[j]
+        tail.append((is_tag, s if is_tag else s[max(0, len(s) - (half - used)):]))
+        used += len(s)
+    return head + tail[::-1]
 
 
 def _internal_error(err: Exception) -> ParsedTurn:

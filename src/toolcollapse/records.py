@@ -80,6 +80,10 @@ class ErrorType(str, enum.Enum):
     DEGENERATE_REPETITION = "degenerate_repetition"  # a short unit repeated over and over
 
 
+# Who writes the <|im_end|> closing a call turn (rollout.call_end; chat.py): the pipeline, as a
+# template token after a sampled </tool_call>, or the policy, which is then trained on it.
+CallEnd = Literal["template", "sampled"]
+
 # What ended the turn: "call" = a closed <tool_call> (the pipeline runs a tool next),
 # "answer" = <|im_end|> after text (the answer), "none" = budget, end of text or <|endoftext|>.
 TurnEnd = Literal["call", "answer", "none"]

@@ -18,10 +18,14 @@ handler passed to `run_rl`). With `grpo.skip_uninformative_steps`, a step whose 
 have equal rewards makes no optimizer step, so Adam's momentum cannot keep moving the
 weights on zero advantages.
 
+Every log-prob the update, the reference and the probe take is at the sampling
+temperature (`rollout.temperature`: logits / T), as the rollouts' are, so the first
+update's importance ratio is 1 up to float error; top-p would truncate the sampling
+distribution and is refused for RL (config.rl_problems).
+
 Departures from the paper (arXiv 2606.26027, verl): the old log-probs are the ones
-recorded at sampling time (temperature 1, no top-p, so they are the policy's own up
-to float error) instead of a second forward pass; the learning rate defaults to a
-value for the tiny tier, not 1e-6.
+recorded at sampling time instead of a second forward pass; the learning rate
+defaults to a value for the tiny tier, not 1e-6.
 
 With `model.lora.rank > 0` the policy is LoRA adapters (peft) on the initial model,
 and checkpoints hold the adapters; the reference stays the full initial model.
@@ -43,17 +47,17 @@ from typing import Any, Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer
 
 from toolcollapse.advantages import group_advantages
 from toolcollapse.alarms import Alarm, Watcher, control_rules
 from toolcollapse.chat import CONTROL_TAGS, PieceEncoder
 from toolcollapse.checkpoint import complete_checkpoints, load_trainer_state, save_checkpoint
-from toolcollapse.config import RunConfig, dump_config, load_config
+from toolcollapse.config import (ConfigError, RunConfig, checkpoint_problems, dump_config, first_difference, load_config,
+                                 rl_problems)
 from toolcollapse.envs import make_env
 from toolcollapse.evaluate import sampling_params
 from toolcollapse.losses import aggregate, kl_k3, ppo_clip_loss
-from toolcollapse.model import load_model, logits_at, shared_prefix_len
+from toolcollapse.model import load_model, load_tokenizer, logits_at, shared_prefix_len
 from toolcollapse.sources import add_control_tokens, apply_lora, ready_for_chatml, token_ids
 from toolcollapse.monitor import (ProbeSet, build_probe, control_gradient_share, resolve_token_ids, run_probe,
                                   sampled_control_stats)
@@ -62,7 +66,8 @@ from toolcollapse.records import Episode, ErrorType, PolicyBatch, Task, TurnStat
 from toolcollapse.rewards import rewards_tensor
 from toolcollapse.rollout import RolloutEngine
 from toolcollapse.sft import encode_tasks
-from toolcollapse.runtime import append_jsonl, progress, read_jsonl, seed_everything, set_threads
+from toolcollapse.runtime import (append_jsonl, check_new_run_dir, clear_run_dir, progress, read_jsonl, seed_everything,
+                                  set_threads)
 
 RUN_CONFIG = "config.yaml"
 
@@ -84,14 +89,15 @@ def build_batch(episodes: Sequence[Episode], advantages: torch.Tensor, pad_id: i
     return PolicyBatch(ids, mask, old, advantages.float())
 
 
-def policy_logprobs(model: Any, batch: PolicyBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob and entropy of the policy at every sampled token, [M] each, row-major."""
+def policy_logprobs(model: Any, batch: PolicyBatch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob and entropy of the sampling distribution (logits / temperature) at every sampled
+    token, [M] each, row-major."""
     select = torch.zeros_like(batch.target_mask)
     select[:, :-1] = batch.target_mask[:, 1:]  # the position before a sampled token predicts it
     firsts = [int(row.nonzero()[0]) if row.any() else row.numel() for row in batch.target_mask]
     prefix = shared_prefix_len([r.tolist() for r in batch.input_ids], firsts)
     logits = logits_at(model, batch.input_ids, select, prefix).float()  # [M, V]
-    logp_all = torch.log_softmax(logits, dim=-1)
+    logp_all = torch.log_softmax(logits / temperature, dim=-1)
     targets = batch.input_ids[batch.target_mask]  # [M]
     logp = logp_all.gather(1, targets[:, None]).squeeze(1)
     entropy = -(logp_all.exp() * logp_all).sum(dim=-1)
@@ -117,7 +123,7 @@ class UpdateStats:
 
 
 def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torch.optim.Optimizer,
-                batch: PolicyBatch, cfg: Any, collect: list | None = None) -> UpdateStats:
+                batch: PolicyBatch, cfg: Any, collect: list | None = None, temperature: float = 1.0) -> UpdateStats:
     """One optimizer step over the whole batch, in micro-batches (gradient accumulation).
 
     `collect`, if given, receives (targets, logp, old_logp, entropy) [M] per micro-batch,
@@ -127,7 +133,7 @@ def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torc
     finite = True
     for k, start in enumerate(range(0, n_seqs, cfg.micro_batch_size)):
         mb = batch.rows(slice(start, start + cfg.micro_batch_size))
-        logp, entropy = policy_logprobs(model, mb)
+        logp, entropy = policy_logprobs(model, mb, temperature)
         old = mb.old_logp[mb.target_mask]
         seq_ids = mb.target_mask.nonzero()[:, 0]  # [M] row of each sampled token
         adv = mb.advantages[seq_ids]
@@ -168,30 +174,32 @@ def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torc
 
 def policy_step(model: Any, ref_model: Any | None, optimizer: torch.optim.Optimizer, episodes: Sequence[Episode],
                 rewards: torch.Tensor, g: Any, pad_id: int, control_ids: dict[str, int],
-                grad_share_rows: int = 0) -> dict[str, float]:
+                grad_share_rows: int = 0, temperature: float = 1.0) -> dict[str, float]:
     """Advantages, then `updates_per_batch` optimizer steps on one batch of rollouts; their statistics.
     With grad_share_rows > 0, first the control tokens' share of the gradient on that many rollouts."""
     advantages, adv_stats = group_advantages(rewards, g.group_size, g.scale_adv_by_std)
     if g.skip_uninformative_steps and adv_stats.frac_groups_informative == 0:
         return {**asdict(adv_stats), "skipped_uninformative": 1, "skipped_nonfinite": 0}
     batch = build_batch(episodes, advantages, pad_id)
-    share = grad_share(model, batch, g, control_ids, grad_share_rows) if grad_share_rows else {}
-    ref_logp = reference_logprobs(ref_model, batch, g.micro_batch_size) if ref_model is not None else None
+    share = grad_share(model, batch, g, control_ids, grad_share_rows, temperature) if grad_share_rows else {}
+    ref_logp = (reference_logprobs(ref_model, batch, g.micro_batch_size, temperature) if ref_model is not None
+                else None)
     collected: list = []  # per-token tensors of the last update's forward, for the control-token statistics
     updates = [grpo_update(model, ref_logp, optimizer, batch, g, collect=collected if k == g.updates_per_batch - 1
-                           else None) for k in range(g.updates_per_batch)]
+                           else None, temperature=temperature) for k in range(g.updates_per_batch)]
     return {**asdict(adv_stats), **asdict(updates[-1]), **_control_stats(collected, control_ids), **share,
             "skipped_uninformative": 0, "skipped_nonfinite": sum(u.skipped_nonfinite for u in updates)}
 
 
-def grad_share(model: Any, batch: PolicyBatch, g: Any, control_ids: dict[str, int], rows: int) -> dict[str, float]:
+def grad_share(model: Any, batch: PolicyBatch, g: Any, control_ids: dict[str, int], rows: int,
+               temperature: float = 1.0) -> dict[str, float]:
     """Control tokens' share of the policy-gradient norm, on up to `rows` rollouts with a non-zero advantage
     (an extra forward and two backward passes; the parameters' .grad is untouched)."""
     picked = batch.advantages.nonzero()[:rows, 0]
     if picked.numel() == 0:
         return {}
     mb = batch.rows(picked)
-    logp, _ = policy_logprobs(model, mb)
+    logp, _ = policy_logprobs(model, mb, temperature)
     adv = mb.advantages[mb.target_mask.nonzero()[:, 0]]
     pg, _ = ppo_clip_loss(logp, mb.old_logp[mb.target_mask], adv, g.clip_low, g.clip_high, g.dual_clip)
     is_ctrl = torch.isin(mb.input_ids[mb.target_mask], torch.tensor(list(control_ids.values())))
@@ -199,8 +207,9 @@ def grad_share(model: Any, batch: PolicyBatch, g: Any, control_ids: dict[str, in
 
 
 @torch.no_grad()
-def reference_logprobs(ref_model: Any, batch: PolicyBatch, micro_batch_size: int) -> list[torch.Tensor]:
-    return [policy_logprobs(ref_model, batch.rows(slice(s, s + micro_batch_size)))[0]
+def reference_logprobs(ref_model: Any, batch: PolicyBatch, micro_batch_size: int,
+                       temperature: float = 1.0) -> list[torch.Tensor]:
+    return [policy_logprobs(ref_model, batch.rows(slice(s, s + micro_batch_size)), temperature)[0]
             for s in range(0, len(batch), micro_batch_size)]
 
 
@@ -303,7 +312,7 @@ def _policy_and_reference(cfg: RunConfig, source: Path, fresh: bool) -> tuple[An
     """(policy, tokenizer, frozen reference or None). A fresh run from a Hugging Face model (the
     paper's setting) gets the control tags it lacks; with LoRA the policy is adapters on it."""
     model = load_model(source, trainable=True)  # LoRA adapters of a resumed run come back trainable
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer = load_tokenizer(source)
     if fresh:
         added, notes = ready_for_chatml(model, tokenizer)
         for note in notes:
@@ -313,15 +322,18 @@ def _policy_and_reference(cfg: RunConfig, source: Path, fresh: bool) -> tuple[An
     ref_model = None
     if cfg.grpo.kl_coef > 0:  # the initial model, grown the same way (the new rows are a function of the old)
         ref_model = load_model(cfg.init).eval()
-        add_control_tokens(ref_model, AutoTokenizer.from_pretrained(cfg.init))
+        add_control_tokens(ref_model, load_tokenizer(cfg.init))
     return model, tokenizer, ref_model
 
 
-def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmHandler | None = None) -> Path:
+def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmHandler | None = None,
+           overwrite: bool = False) -> Path:
     """Train from `cfg.init` (or continue the run in `run_dir`). `on_alarm` replaces the
-    monitor.on_alarm action."""
+    monitor.on_alarm action. A new run refuses a directory that holds another run unless
+    `overwrite`; a resumed one, a config other than the one it started with."""
     run_dir = Path(run_dir)
     g = cfg.grpo
+    check_run_start(cfg, run_dir, resume, overwrite)
     set_threads(cfg.threads)
     seed_everything(cfg.seed)
     done = complete_checkpoints(run_dir) if resume else []
@@ -329,6 +341,8 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
     model, tokenizer, ref_model = _policy_and_reference(cfg, source, fresh=not done)
     optimizer = make_optimizer(model, g.lr, g.weight_decay, g.betas)
     start = load_trainer_state(done[-1], optimizer) if done else 0
+    if not resume:
+        clear_run_dir(run_dir, "rl")  # a previous run there, which `overwrite` allowed to replace
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_config(cfg, run_dir / RUN_CONFIG)
     _truncate_logs(run_dir, start)
@@ -338,7 +352,7 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
     env = make_env(cfg)
     order = task_order(env.tasks(g.split), cfg.seed)
     probe, probe_tokens = _probe(cfg, env, tokenizer)
-    engine = RolloutEngine(model, tokenizer, env)
+    engine = RolloutEngine(model, tokenizer, env, cfg.rollout.call_end)
     params = sampling_params(cfg, greedy=False)
     bar = progress(g.steps, "rl", initial=start)
     m = cfg.monitor
@@ -347,7 +361,7 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
         t_probe = time.time()
         probe_stats = {}  # measured before this step's update: step 0 is the initial policy
         if probe is not None and step % m.probe_every == 0:
-            probe_stats = run_probe(model, probe, probe_tokens)
+            probe_stats = run_probe(model, probe, probe_tokens, cfg.rollout.temperature)
         t0 = time.time()
         tasks = tasks_for_step(order, step, g.prompts_per_step)
         episodes = engine.generate(tasks, params, group_size=g.group_size, seed=cfg.seed * 1_000_003 + step)
@@ -357,7 +371,7 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
         rewards = rewards_tensor(episodes, g.format_reward)
         share_rows = m.grad_share_rows if m.grad_share_every and step % m.grad_share_every == 0 else 0
         update_stats = policy_step(model, ref_model, optimizer, episodes, rewards, g, tokenizer.pad_token_id,
-                                   probe_tokens, share_rows)
+                                   probe_tokens, share_rows, cfg.rollout.temperature)
         metrics = {"step": step, "lr": lr, **probe_stats, **update_stats, **rollout_stats(episodes),
                    "seconds": time.time() - t_probe, "seconds_probe": t0 - t_probe,
                    "seconds_rollout": t_rollout - t0, "seconds_update": time.time() - t_rollout}
@@ -392,15 +406,32 @@ def _probe(cfg: RunConfig, env: Any, tokenizer: Any) -> tuple[ProbeSet | None, d
     if m.probe_every <= 0 or m.probe_size <= 0:
         return None, token_ids
     tasks = env.tasks(cfg.grpo.split)[:m.probe_size]
-    examples = encode_tasks(PieceEncoder(tokenizer), tasks)
+    examples = encode_tasks(PieceEncoder(tokenizer), tasks, cfg.rollout.call_end)
     return build_probe(examples, tokenizer.pad_token_id, resolve_token_ids(tokenizer, CONTROL_TAGS)), token_ids
+
+
+def check_run_start(cfg: RunConfig, run_dir: Path, resume: bool, overwrite: bool) -> None:
+    """ConfigError before anything is loaded or written: an RL-incompatible config, a new run
+    aimed at another run's directory, a resumed run given another config."""
+    problems = rl_problems(cfg)
+    problems += checkpoint_problems(cfg, cfg.init) if cfg.init else []
+    if problems:
+        raise ConfigError(problems[0])
+    if not resume:
+        check_new_run_dir(run_dir, overwrite, "rl", resume_hint=f"use --resume {run_dir} to continue it, ")
+        if overwrite and cfg.init and Path(run_dir).resolve() in Path(cfg.init).resolve().parents:
+            raise ConfigError(f"init {cfg.init} lies inside {run_dir}, which --overwrite would delete")
+        return
+    difference = first_difference(resume_config(run_dir), cfg)
+    if difference:
+        key, was, now = difference
+        raise ConfigError(f"{run_dir} was started with another config ({key}: {was!r} there, {now!r} here); "
+                          f"resume it with its own config, or start a new run elsewhere")
 
 
 def resume_config(run_dir: Path) -> RunConfig:
     path = Path(run_dir) / RUN_CONFIG
     if not path.is_file():
-        from toolcollapse.config import ConfigError
-
         raise ConfigError(f"{run_dir} is not a run directory (no {RUN_CONFIG})")
     return load_config(path)
 

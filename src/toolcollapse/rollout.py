@@ -4,8 +4,9 @@ For a batch of tasks and G rollouts each:
   1. encode each distinct prompt once, prefill them together (left-padded), then
      repeat the KV cache G times -- the shared prompt is computed once per group;
   2. decode one assistant turn for every live sequence in lock-step; a sequence
-     stops on </tool_call>, <|im_end|>, <|endoftext|> or its per-turn budget, then
-     feeds pad tokens (masked out) until the others are done;
+     stops on </tool_call> (unless `call_end="sampled"`: then the policy goes on to
+     write the call turn's <|im_end|>), <|im_end|>, <|endoftext|> or its per-turn
+     budget, then feeds pad tokens (masked out) until the others are done;
   3. parse each turn (four states), let the environment answer it (run the tool);
   4. append, per sequence, the template tokens and the observation's tokens to the
      KV cache in one left-padded chunk -- the history is never decoded and
@@ -27,13 +28,13 @@ from typing import Any, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from toolcollapse.chat import (ENDOFTEXT, STOP_TAGS, CONTROL_TAGS, PieceEncoder, conversation_pieces,
-                               generation_prompt, message_pieces, turn_suffix)
+from toolcollapse.chat import (ENDOFTEXT, CONTROL_TAGS, PieceEncoder, conversation_pieces, generation_prompt,
+                               message_pieces, stop_tags, turn_suffix)
 from toolcollapse.envs.base import Environment, EpisodeState
 from toolcollapse.kvcache import append_only_cache
 from toolcollapse.model import forward, output_cache
 from toolcollapse.parser import parse_turn_ids
-from toolcollapse.records import Episode, Task, TurnRecord
+from toolcollapse.records import CallEnd, Episode, Task, TurnRecord
 from toolcollapse.runtime import progress
 
 
@@ -79,13 +80,14 @@ class _Row:
 
 
 class RolloutEngine:
-    def __init__(self, model: PreTrainedModel, tokenizer: Any, env: Environment):
+    def __init__(self, model: PreTrainedModel, tokenizer: Any, env: Environment, call_end: CallEnd = "template"):
         self.model = model
         self.tokenizer = tokenizer
         self.env = env
+        self.call_end = call_end  # who writes a call turn's <|im_end|> (chat.py)
         self.encoder = PieceEncoder(tokenizer)
         ids = self.encoder.special_ids
-        self.stop_ids = frozenset(ids[t] for t in STOP_TAGS)
+        self.stop_ids = frozenset(ids[t] for t in stop_tags(call_end))
         self.pad_id = ids[ENDOFTEXT]
         self.id_to_tag = {ids[t]: t for t in CONTROL_TAGS}
 
@@ -189,10 +191,11 @@ class RolloutEngine:
         chunks: list[list[int] | None] = []
         for row in rows:
             ep = row.episode
-            parsed = parse_turn_ids(row.turn_ids, self.id_to_tag, self.decode, row.state.tools)
+            parsed = parse_turn_ids(row.turn_ids, self.id_to_tag, self.decode, row.state.tools, self.call_end)
             record = TurnRecord(start=len(ep.tokens) - len(row.turn_ids), end=len(ep.tokens), parsed=parsed)
             ep.turns.append(record)
-            if parsed.end == "none":
+            if parsed.end == "none":  # the environment still sees the turn (BFCL: a reply in this user turn)
+                self.env.step(row.state, parsed)
                 ep.finish = "context_limit" if len(ep.tokens) >= max_seq_len else "malformed"
                 chunks.append(None)
                 continue
@@ -206,8 +209,14 @@ class RolloutEngine:
                 ep.final_text = row.state.final_text
                 chunks.append(None)
                 continue
+            if last_turn:  # an answer the environment follows with another user turn, past the budget
+                ep.finish = "max_turns"
+                ep.final_text = row.state.final_text
+                chunks.append(None)
+                continue
             record.observation = "\n".join(m.content for m in observations)
-            pieces = turn_suffix(parsed.end == "call") + [p for m in observations for p in message_pieces(m)]
+            pieces = turn_suffix(parsed.end == "call", self.call_end) + [p for m in observations
+                                                                          for p in message_pieces(m)]
             ids, _ = self.encoder.encode(pieces + generation_prompt())
             if len(ep.tokens) + len(ids) + 1 >= max_seq_len:
                 ep.finish = "context_limit"

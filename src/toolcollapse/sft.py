@@ -38,8 +38,8 @@ from toolcollapse.envs import make_env
 from toolcollapse.losses import sft_loss
 from toolcollapse.model import build_model, logits_at, n_params, shared_prefix_len
 from toolcollapse.optim import lr_at, make_optimizer, set_lr
-from toolcollapse.records import Task
-from toolcollapse.runtime import append_jsonl, progress, seed_everything, set_threads
+from toolcollapse.records import CallEnd, Task
+from toolcollapse.runtime import append_jsonl, check_new_run_dir, clear_run_dir, progress, seed_everything, set_threads
 from toolcollapse.sources import SCRATCH, apply_lora, load_pretrained, merged
 from toolcollapse.tokenizer import train_tokenizer
 
@@ -48,28 +48,31 @@ Example = tuple[list[int], list[int]]  # (token ids, trainable mask)
 TOKEN_KINDS = ("digit", "word", "structure")
 
 
-def encode_tasks(encoder: PieceEncoder, tasks: Sequence[Task]) -> list[Example]:
-    return [encoder.encode_conversation(list(t.prompt) + list(t.reference)) for t in tasks]
+def encode_tasks(encoder: PieceEncoder, tasks: Sequence[Task], call_end: CallEnd = "template") -> list[Example]:
+    return [encoder.encode_conversation(list(t.prompt) + list(t.reference), call_end) for t in tasks]
 
 
-def encode_first_calls(encoder: PieceEncoder, tasks: Sequence[Task]) -> list[Example]:
+def encode_first_calls(encoder: PieceEncoder, tasks: Sequence[Task], call_end: CallEnd = "template") -> list[Example]:
     """The copy warm-up's examples: each task's user question and first assistant turn, no system prompt."""
-    return [encoder.encode_conversation([t.prompt[-1], t.reference[0]]) for t in tasks]
+    return [encoder.encode_conversation([t.prompt[-1], t.reference[0]], call_end) for t in tasks]
 
 
-def encode_without_system_prompt(encoder: PieceEncoder, tasks: Sequence[Task]) -> list[Example]:
+def encode_without_system_prompt(encoder: PieceEncoder, tasks: Sequence[Task],
+                                 call_end: CallEnd = "template") -> list[Example]:
     """Whole conversations minus the system prompt: names *and* numbers to copy, in ~1/4 of the tokens."""
-    return [encoder.encode_conversation([t.prompt[-1], *t.reference]) for t in tasks]
+    return [encoder.encode_conversation([t.prompt[-1], *t.reference], call_end) for t in tasks]
 
 
-def warmup_examples(encoder: PieceEncoder, tasks: Sequence[Task], content: str) -> list[Example]:
+def warmup_examples(encoder: PieceEncoder, tasks: Sequence[Task], content: str,
+                    call_end: CallEnd = "template") -> list[Example]:
     """The copy warm-up's data: first calls, whole conversations without the system prompt, or half of each."""
     if content == "first_call":
-        return encode_first_calls(encoder, tasks)
+        return encode_first_calls(encoder, tasks, call_end)
     if content == "no_system_prompt":
-        return encode_without_system_prompt(encoder, tasks)
+        return encode_without_system_prompt(encoder, tasks, call_end)
     half = len(tasks) // 2
-    return encode_first_calls(encoder, tasks[:half]) + encode_without_system_prompt(encoder, tasks[half:])
+    return (encode_first_calls(encoder, tasks[:half], call_end)
+            + encode_without_system_prompt(encoder, tasks[half:], call_end))
 
 
 def collate(examples: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,10 +205,14 @@ def sft_model(cfg: RunConfig, env: Any) -> tuple[Any, Any, str]:
     return model, tokenizer, f"{mc.preset} model from scratch" + (f", LoRA rank {mc.lora.rank}" if mc.lora.rank else "")
 
 
-def run_sft(cfg: RunConfig, out_dir: str | Path | None = None) -> Path:
+def run_sft(cfg: RunConfig, out_dir: str | Path | None = None, overwrite: bool = False) -> Path:
+    """Train and save to `out_dir` (default <out_dir>/sft), which must not hold another run unless
+    `overwrite` (ConfigError before anything is written)."""
     out = Path(out_dir) if out_dir is not None else Path(cfg.out_dir) / "sft"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.jsonl").unlink(missing_ok=True)
+    check_new_run_dir(out, overwrite, "sft")
+    clear_run_dir(out, "sft")
+    out.mkdir(parents=True)
+    dump_config(cfg, out / CONFIG_FILE)  # first: it marks the directory as this run's (written again at the end)
     set_threads(cfg.threads)
     seed_everything(cfg.seed)
     t0 = time.time()
@@ -214,8 +221,9 @@ def run_sft(cfg: RunConfig, out_dir: str | Path | None = None) -> Path:
     model, tokenizer, what = sft_model(cfg, env)
     encoder = PieceEncoder(tokenizer)
     sc = cfg.sft
-    train = encode_tasks(encoder, env.tasks("train", sc.steps * sc.batch_size))
-    val = encode_tasks(encoder, env.tasks("test")[:64])
+    call_end = cfg.rollout.call_end  # who writes a call turn's <|im_end|>: trained in `sampled`
+    train = encode_tasks(encoder, env.tasks("train", sc.steps * sc.batch_size), call_end)
+    val = encode_tasks(encoder, env.tasks("test")[:64], call_end)
     val_kinds = [token_kinds(e, tokenizer) for e in val]
     longest = max(len(x) for x, _ in train)
     if longest > cfg.model.max_seq_len:
@@ -232,7 +240,7 @@ def run_sft(cfg: RunConfig, out_dir: str | Path | None = None) -> Path:
     group = 16 if sc.group_by_length else 1
     phases = []
     for i, w in enumerate(warmups):
-        examples = warmup_examples(encoder, env.tasks("train")[:w.steps * w.batch_size], w.content)
+        examples = warmup_examples(encoder, env.tasks("train")[:w.steps * w.batch_size], w.content, call_end)
         name = "copy warm-up" + (f" {i + 1}" if len(warmups) > 1 else "")
         # "both" mixes ~50- and ~210-token examples: batch them by length so short ones are not padded
         phases.append(Phase(name, examples, w.steps, w.batch_size, 16 if w.content == "both" else group))

@@ -5,14 +5,17 @@ overrides) and the seeds; every (setting, seed) becomes the run directory
 `<out_dir>/<setting>/seed<seed>` -- deterministic, so re-running the command skips
 finished runs and resumes interrupted ones from their last checkpoint. After
 training, each run's final checkpoint is evaluated greedily on `eval_split`
-(`eval_n` tasks), and so is the starting checkpoint, once, for comparison.
+(`eval_n` tasks), and so is the starting checkpoint, once, for comparison -- all of
+them under one set of rollout limits, the base config's with the sweep's `overrides`
+(`eval_config`), whatever a setting or the starting checkpoint's own config says: a
+comparison whose sides ran with different turn or token budgets measures the budgets.
+Each evaluation records its limits, and the table pairs only evaluations whose limits agree.
 
     toolcollapse sweep configs/study/collapse.yaml
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import multiprocessing as mp
@@ -21,22 +24,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from toolcollapse.config import ConfigError, RunConfig, Split, load_config
+from toolcollapse.config import (Checked, ConfigError, Count, NonNegInt, RunConfig, Split, checkpoint_problems,
+                                 first_difference, load_config, rl_problems)
+
+START_DIR = "start"  # <out_dir>/start/eval/: the sweep's evaluation of its starting checkpoint
 
 
 @dataclass(frozen=True)
-class SweepConfig:
+class SweepConfig(Checked):
     base: str  # experiment YAML every run starts from
     init: str  # starting checkpoint of every run (an SFT directory)
     out_dir: str
     settings: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {dotted key: value}
     overrides: dict[str, Any] = field(default_factory=dict)  # {dotted key: value} for every run
-    seeds: tuple[int, ...] = (0, 1, 2)
-    workers: int = 2  # runs at once
-    threads_per_worker: int = 1
+    seeds: tuple[NonNegInt, ...] = (0, 1, 2)
+    workers: Count = 2  # runs at once
+    threads_per_worker: Count = 1
     eval_split: Split = "test"
-    eval_n: int = 0  # tasks evaluated after training (0: no evaluation)
+    eval_n: NonNegInt = 0  # tasks evaluated after training (0: no evaluation)
     eval_settings: tuple[str, ...] | None = None  # settings whose final checkpoints are evaluated (None: all)
+
+    def extra_problems(self) -> list[str]:
+        return [] if self.seeds else ["seeds: give at least one seed"]
 
 
 @dataclass(frozen=True)
@@ -49,7 +58,7 @@ class RunSpec:
 
 def load_sweep(path: str | Path, overrides: list[str] = ()) -> tuple[SweepConfig, list[RunSpec]]:
     """Read the sweep file and build (and so validate) every run's config before any work."""
-    sweep = load_config(path, overrides, cls=SweepConfig)
+    sweep = load_config(path, overrides, cls=SweepConfig, inherit=False)
     if not sweep.settings:
         raise ConfigError(f"{path}: settings is empty; name at least one set of overrides")
     unknown = sorted(set(sweep.eval_settings or ()) - set(sweep.settings))
@@ -71,8 +80,59 @@ def load_sweep(path: str | Path, overrides: list[str] = ()) -> tuple[SweepConfig
                 cfg = load_config(sweep.base, items)
             except ConfigError as err:
                 raise ConfigError(f"settings.{name}: {err}") from None
+            if rl_problems(cfg):
+                raise ConfigError(f"settings.{name}: {rl_problems(cfg)[0]}")
             specs.append(RunSpec(name, seed, run_dir, cfg))
+    check_against_runs_there(specs)
+    check_evaluations(sweep, specs)
     return sweep, specs
+
+
+def check_against_runs_there(specs: list[RunSpec]) -> None:
+    """A run the sweep would resume must have been started with the config it would get now."""
+    from toolcollapse.rl import RUN_CONFIG
+
+    for spec in specs:
+        saved = spec.run_dir / RUN_CONFIG
+        if saved.is_file():
+            difference = first_difference(load_config(saved), spec.cfg)
+            if difference:
+                key, was, now = difference
+                raise ConfigError(f"{spec.run_dir} was started with {key}={was!r}; the sweep now says {now!r}. "
+                                  f"Give the sweep another out_dir, or move that run away")
+
+
+def check_evaluations(sweep: SweepConfig, specs: list[RunSpec]) -> None:
+    """Every evaluation runs under `eval_config`: an evaluated setting may not change what it measures,
+    and the starting checkpoint must suit it."""
+    cfg = eval_config(sweep)
+    if sweep.eval_n and checkpoint_problems(cfg, sweep.init):
+        raise ConfigError(f"eval of init: {checkpoint_problems(cfg, sweep.init)[0]}")
+    for spec in specs:
+        if sweep.eval_n and (sweep.eval_settings is None or spec.setting in sweep.eval_settings):
+            for key in ("env", "rollout.call_end"):
+                here, there = (_get(c, key) for c in (spec.cfg, cfg))
+                if here != there:
+                    raise ConfigError(f"settings.{spec.setting}: {key}={here!r} differs from the evaluations' "
+                                      f"{there!r} (the base config with the sweep's overrides); set it in overrides")
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def eval_config(sweep: SweepConfig) -> RunConfig:
+    """The config every evaluation of the sweep runs with: the base config with the sweep's
+    `overrides` (not a setting's), greedy, on `eval_n` tasks of `eval_split`."""
+    items = [f"{k}={v}" for k, v in sweep.overrides.items()] + [
+        f"threads={sweep.threads_per_worker}", f"eval.split={sweep.eval_split}", "eval.greedy=true",
+        f"eval.n_tasks={sweep.eval_n or 'null'}"]
+    try:
+        return load_config(sweep.base, items)
+    except ConfigError as err:
+        raise ConfigError(f"overrides: {err}") from None
 
 
 def run_sweep(sweep: SweepConfig, specs: list[RunSpec]) -> list[Path]:
@@ -93,61 +153,66 @@ def _run_one(job: tuple[RunSpec | None, SweepConfig]) -> str:
     hf_logging.disable_progress_bar()
     spec, sweep = job
     if spec is None:  # the starting checkpoint, evaluated once for comparison
-        cfg = load_config(Path(sweep.init) / "toolcollapse.yaml", [f"threads={sweep.threads_per_worker}"])
-        _evaluate(Path(sweep.init), cfg, sweep)
+        evaluate_checkpoint(Path(sweep.init), sweep, start_eval_dir(sweep))
         return f"eval of {sweep.init}"
     from toolcollapse.checkpoint import complete_checkpoints
     from toolcollapse.rl import run_rl
 
     done = complete_checkpoints(spec.run_dir)
     finished = bool(done) and done[-1].name == f"step_{spec.cfg.grpo.steps:06d}"
-    if not finished:
-        run_rl(spec.cfg, spec.run_dir, resume=bool(done))
+    if not finished:  # a run killed before its first checkpoint starts over in its own directory
+        run_rl(spec.cfg, spec.run_dir, resume=bool(done), overwrite=not done)
     if sweep.eval_n and (sweep.eval_settings is None or spec.setting in sweep.eval_settings):
-        _evaluate(complete_checkpoints(spec.run_dir)[-1], spec.cfg, sweep)
+        final = complete_checkpoints(spec.run_dir)[-1]
+        evaluate_checkpoint(final, sweep, final / "eval")
     return str(spec.run_dir)
 
 
-def _evaluate(checkpoint: Path, cfg: RunConfig, sweep: SweepConfig) -> None:
-    from toolcollapse.evaluate import run_eval
+def start_eval_dir(sweep: SweepConfig) -> Path:
+    return Path(sweep.out_dir) / START_DIR / "eval"
 
-    summary_path = checkpoint / "eval" / f"{sweep.eval_split}.summary.json"
-    if summary_path.is_file() and json.loads(summary_path.read_text())["n_episodes"] == sweep.eval_n:
-        return  # already evaluated on the same tasks (the first eval_n of the split)
-    cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, split=sweep.eval_split, n_tasks=sweep.eval_n,
-                                                            greedy=True))
-    run_eval(checkpoint, cfg)
+
+def evaluate_checkpoint(checkpoint: Path, sweep: SweepConfig, eval_dir: Path) -> None:
+    """Greedy evaluation under the sweep's one set of limits (`eval_config`), unless `eval_dir`
+    already holds one of the same tasks under the same limits."""
+    from toolcollapse.evaluate import rollout_limits, run_eval
+
+    cfg = eval_config(sweep)
+    summary_path = eval_dir / f"{sweep.eval_split}.summary.json"
+    if summary_path.is_file():
+        done = json.loads(summary_path.read_text())
+        if done["n_episodes"] == sweep.eval_n and done.get("limits") == rollout_limits(cfg, greedy=True):
+            return
+    run_eval(checkpoint, cfg, eval_dir / f"{sweep.eval_split}.jsonl")
 
 
 # ----------------------------------------------------------------------------- the collapse table
 
-WINDOW = 5  # steps in the rolling mean of the healthy-turn rate
+WINDOW = 5  # steps in the trailing mean of the healthy-turn rate and the reward shown in the table
 MOVED = 0.10  # a probe series has "moved" once it is this far (absolute probability) from its step-0 value
 
 
-def summarize_run(run_dir: Path, steps: int) -> dict[str, Any]:
+def summarize_run(run_dir: Path, steps: int, hold: int) -> dict[str, Any]:
     """Collapse figures of one RL run from its metrics.jsonl.
 
-    The healthy-turn rate is smoothed by a trailing 5-step mean; `healthy_start` is the
-    rate at step 0 (the starting policy); a run `collapsed` when it starts at >= 90 %
-    and its smoothed rate reaches <= 20 %.
+    `collapsed`, `collapse_step` and `floor_step` are `alarms.find_collapse` (the definition
+    `diagnose` uses: the raw healthy-turn rate below half its step-0 value, or below 20 %,
+    for `hold` steps); the 5-step trailing means are for display only.
     """
-    from toolcollapse.alarms import first_step_below, rolling_mean
+    from toolcollapse.alarms import find_collapse, rolling_mean
     from toolcollapse.runtime import read_jsonl
 
     path = Path(run_dir) / "metrics.jsonl"
     rows = read_jsonl(path) if path.is_file() else []
     if not rows:
         return {"run": str(run_dir), "steps_done": 0}
-    healthy = rolling_mean([r["healthy_rate"] for r in rows], WINDOW)
-    start = healthy[0]  # step 0: the starting policy, before any update
+    smooth = rolling_mean([r["healthy_rate"] for r in rows], WINDOW)
+    collapse = find_collapse(rows, hold)
     informative = [r["frac_groups_informative"] for r in rows]
     out: dict[str, Any] = {
         "run": str(run_dir), "steps_done": len(rows), "steps": steps,
-        "healthy_start": start, "healthy_min": min(healthy), "healthy_end": healthy[-1],
-        "step_below_half": first_step_below(healthy, start / 2),
-        "step_below_20": first_step_below(healthy, 0.2),
-        "collapsed": start >= 0.9 and min(healthy) <= 0.2,
+        "healthy_start": rows[0]["healthy_rate"], "healthy_min_smooth": min(smooth), "healthy_end_smooth": smooth[-1],
+        "collapse_step": collapse.step, "floor_step": collapse.floor_step, "collapsed": collapse.collapsed,
         "reward_start": sum(r["reward_mean"] for r in rows[:WINDOW]) / min(WINDOW, len(rows)),
         "reward_end": sum(r["reward_mean"] for r in rows[-WINDOW:]) / min(WINDOW, len(rows)),
         "informative_min": min(informative),
@@ -180,28 +245,33 @@ def first_probe_moves(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def summarize_runs(sweep: SweepConfig, specs: list[RunSpec]) -> list[dict[str, Any]]:
     rows = []
     for spec in specs:
-        row = {"setting": spec.setting, "seed": spec.seed, **summarize_run(spec.run_dir, spec.cfg.grpo.steps)}
-        row.update(_eval_figures(spec.run_dir, sweep.eval_split, sweep.init))
+        row = {"setting": spec.setting, "seed": spec.seed,
+               **summarize_run(spec.run_dir, spec.cfg.grpo.steps, spec.cfg.monitor.collapse_hold)}
+        row.update(_eval_figures(spec.run_dir, sweep.eval_split, start_eval_dir(sweep)))
         rows.append(row)
     return rows
 
 
-def _eval_figures(run_dir: Path, split: str, init: str) -> dict[str, Any]:
-    """Success of the run's final checkpoint, paired task by task with the starting checkpoint's."""
+def _eval_figures(run_dir: Path, split: str, start_dir: Path) -> dict[str, Any]:
+    """Success of the run's final checkpoint, paired task by task with the starting checkpoint's
+    when both were evaluated on the same tasks under the same rollout limits."""
     from toolcollapse.checkpoint import complete_checkpoints
     from toolcollapse.runtime import read_jsonl
 
     done = complete_checkpoints(run_dir)
     final = done[-1] / "eval" / f"{split}.jsonl" if done else None
-    start = Path(init) / "eval" / f"{split}.jsonl"
+    start = start_dir / f"{split}.jsonl"
     if final is None or not final.is_file():
         return {}
     ours = {r["task_id"]: r["success"] for r in read_jsonl(final)}
     out: dict[str, Any] = {"eval_success": sum(ours.values()) / len(ours), "eval_n": len(ours)}
     if start.is_file():
+        limits = [json.loads(p.with_suffix(".summary.json").read_text()).get("limits") for p in (final, start)]
         base = {r["task_id"]: r["success"] for r in read_jsonl(start) if r["task_id"] in ours}
-        if len(base) == len(ours):
+        if len(base) == len(ours) and limits[0] == limits[1] and limits[0] is not None:
             out.update(paired_comparison([base[k] for k in ours], list(ours.values())))
+        else:
+            out["eval_unpaired"] = "the start was evaluated on other tasks or under other limits"
     return out
 
 
@@ -218,7 +288,7 @@ def paired_comparison(before: list[bool], after: list[bool]) -> dict[str, Any]:
 def format_table(rows: list[dict[str, Any]]) -> str:
     pct = lambda v: "-" if v is None else f"{100 * v:.0f}%"  # noqa: E731
     step = lambda v: "-" if v is None else str(v)  # noqa: E731
-    head = ("| setting | seed | steps | healthy start -> min -> end (5-step mean) | below half @ | <=20% @ "
+    head = ("| setting | seed | steps | healthy: step 0 -> min -> end (5-step mean) | collapse @ | < 20 % @ "
             "| collapsed | reward start -> end | informative min (=0 @) | first probe move | test success: start -> final (paired) |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in rows:
@@ -228,13 +298,15 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         ev = "-"
         if "eval_success" in r:
             ev = f"{pct(r['eval_success'])} (n={r['eval_n']})"
+        if "eval_unpaired" in r:
+            ev += f" (unpaired: {r['eval_unpaired']})"
         if "eval_start_success" in r:
             ev = (f"{pct(r['eval_start_success'])} -> {ev}: +{r['eval_gained']} / -{r['eval_lost']} tasks, "
                   f"p = {r['eval_p_value']:.2g}")
         lines.append(
             f"| {r['setting']} | {r['seed']} | {r['steps_done']}/{r['steps']} "
-            f"| {pct(r['healthy_start'])} -> {pct(r['healthy_min'])} -> {pct(r['healthy_end'])} "
-            f"| {step(r['step_below_half'])} | {step(r['step_below_20'])} | {'yes' if r['collapsed'] else 'no'} "
+            f"| {pct(r['healthy_start'])} -> {pct(r['healthy_min_smooth'])} -> {pct(r['healthy_end_smooth'])} "
+            f"| {step(r['collapse_step'])} | {step(r['floor_step'])} | {'yes' if r['collapsed'] else 'no'} "
             f"| {r['reward_start']:.2f} -> {r['reward_end']:.2f} "
             f"| {r['informative_min']:.2f} ({step(r['step_uninformative'])}) "
             f"| {r.get('first_probe_move') or '-'} | {ev} |")

@@ -3,12 +3,17 @@
 The validator covers the JSON-schema subset that function-calling docs use (object
 with typed properties, `required`, `enum`, arrays of a typed item, no extra keys) and
 returns the problems as strings instead of raising, so a malformed model call is a
-recorded outcome, never a crash.
+recorded outcome, never a crash. It holds values to strict JSON, which Python's
+`json.loads` is not: no NaN or infinities (`NaN`, `Infinity`, `1e999999`; RFC 8259
+has no such numbers) and no unpaired surrogate escapes in strings (`"\\ud800"` is
+no character; RFC 7493, I-JSON, forbids it).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,8 +48,25 @@ class ToolSpec:
 
 
 def validate_arguments(spec: ToolSpec, arguments: Any) -> list[str]:
-    """Problems with `arguments` against `spec.parameters`; empty when valid."""
-    return _validate(arguments, spec.parameters, "arguments")
+    """Problems with `arguments` against `spec.parameters` and strict JSON; empty when valid."""
+    return non_json_values(arguments, "arguments") or _validate(arguments, spec.parameters, "arguments")
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def non_json_values(value: Any, where: str = "value") -> list[str]:
+    """Values strict JSON has no way to write: non-finite numbers, strings with unpaired surrogates."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return [f"{where} is {value}, which is not a JSON number (no NaN or Infinity; 1e999 overflows)"]
+    if isinstance(value, str) and _SURROGATE.search(value):
+        code = ord(_SURROGATE.search(value).group())
+        return [f"{where} holds an unpaired surrogate (\\u{code:04x}), which is not a character"]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in non_json_values(k, f"{where} key") + non_json_values(v, f"{where}.{k}")]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in non_json_values(v, f"{where}[{i}]")]
+    return []
 
 
 def _validate(value: Any, schema: dict[str, Any], where: str) -> list[str]:

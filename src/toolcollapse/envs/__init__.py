@@ -11,11 +11,11 @@ def make_env(cfg: RunConfig) -> Environment:
     if cfg.env == "toolworld":
         from toolcollapse.envs.toolworld import ToolWorld
 
-        return ToolWorld(cfg.world)
+        return ToolWorld(cfg.world, cfg.tools)
     if cfg.env == "bfcl":
         from toolcollapse.envs.bfcl import BFCL
 
-        return BFCL(cfg.bfcl)
+        return BFCL(cfg.bfcl, cfg.tools)
     raise ValueError(f"unknown environment {cfg.env!r}")
 
 

@@ -15,8 +15,11 @@ Results are serialised as BFCL does -- a str as is, a dict through `json.dumps`,
 anything else through `str()` -- except that sets (whose `str()` depends on the hash
 seed) are written in sorted order. mpmath's and decimal's global precision, which
 MathAPI sets per call, is restored after each call, so one call cannot change
-another's results or anything else in the process. An `exponent` or `precision`
-argument above 1000 is refused (`ARGUMENT_LIMITS`; BFCL has no such guard).
+another's results or anything else in the process. An argument whose cost grows with
+its value is refused, a guard BFCL does not have: `exponent`, `precision` and
+`decimal_places` above 1000 in size (`ARGUMENT_LIMITS`), and any integer of more than
+100 digits (`MAX_INT_DIGITS`: `power(7**4000, 1000)` takes seconds). The tool process's
+time limit (`toolcollapse.sandbox`) stops whatever else would run too long.
 """
 
 from __future__ import annotations
@@ -73,10 +76,12 @@ def _backend_class(name: str) -> type:
     return getattr(importlib.import_module(f"{BACKEND_PACKAGE}.{MODULES[name]}"), name)
 
 
-# Departure from BFCL, which has no such guard: MathAPI computes `base ** exponent` and sets mpmath's and
-# decimal's precision to the model's value, so one sampled call could hang a training run or fill memory.
-# No ground-truth call comes near these limits (bench/bfcl_parity.py replays them all).
-ARGUMENT_LIMITS = {"exponent": 1000, "precision": 1000}
+# Departure from BFCL, which has no such guard: MathAPI computes `base ** exponent`, sets mpmath's and
+# decimal's precision to the model's value, and `round(number, decimal_places)` of an int computes
+# 10 ** -decimal_places (-10**12: it never returns). Refused in a few microseconds instead of stopped at
+# the time limit. No ground-truth call comes near these limits (bench/bfcl_parity.py replays them all).
+ARGUMENT_LIMITS = {"exponent": 1000, "precision": 1000, "decimal_places": 1000}
+MAX_INT_DIGITS = 100  # no ground-truth integer comes near 10**100 either
 
 
 def execute(world: World, call: LiteralCall) -> tuple[str, bool]:
@@ -89,13 +94,25 @@ def execute(world: World, call: LiteralCall) -> tuple[str, bool]:
     for name, limit in ARGUMENT_LIMITS.items():
         value = call.kwargs.get(name)
         if isinstance(value, (int, float)) and not abs(value) <= limit:
-            return f"Error: {name}={value!r} exceeds {limit} (a toolcollapse guard; it would stall the run).", False
+            return f"Error: {name}={str(value)[:40]} exceeds {limit} (a toolcollapse guard; it would stall the run).", False
+    if _huge_int((call.args, call.kwargs)):
+        return f"Error: an integer argument has more than {MAX_INT_DIGITS} digits (a toolcollapse guard).", False
     with _numeric_context():
         try:
             args, kwargs = copy.deepcopy((call.args, call.kwargs))  # fresh values, as BFCL's eval() makes
             return serialize(method(*args, **kwargs)), True
         except Exception as err:  # a backend failure is an observation, as in BFCL
             return f"{ERROR_PREFIX}{err}", True
+
+
+def _huge_int(value: Any) -> bool:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value.bit_length() > MAX_INT_DIGITS * 3.33  # log2(10) bits a digit
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return any(_huge_int(v) for v in value)
+    if isinstance(value, dict):
+        return any(_huge_int(v) for v in value.values())
+    return False
 
 
 @contextlib.contextmanager

@@ -16,20 +16,31 @@ Departures from BFCL's inference loop, forced by the one-call chat protocol: a c
 that does not parse gets an error observation and the turn goes on (BFCL ends the turn
 on an undecodable reply); only the first of several calls in one assistant turn runs;
 BFCL's 20-steps-per-turn cap is left to the rollout's `max_turns`. An episode that
-stops before the last user turn was reached fails, as BFCL's force-terminated entries do.
+stops before the model has written a turn in the last user turn fails, as BFCL's
+force-terminated entries do -- also when its last allowed assistant turn answered a user
+turn and the next one came too late to be replied to (`Progress.replied`); a malformed
+reply is a reply, as BFCL's empty decode is.
+
+The live instances and the check run in the tool process (`toolcollapse.sandbox`): each
+call within `tools.timeout_s`, past which it is stopped, leaves no trace in the state,
+is answered "Error during execution: ... did not finish ..." and, in the success check,
+counts as a call that ran nothing. BFCL has no such limit (its MathAPI can be asked for
+10**(10**12)).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Iterator, Sequence
 
 from toolcollapse.chat import render_text
-from toolcollapse.config import BFCLConfig
+from toolcollapse.config import BFCLConfig, ToolsConfig
 from toolcollapse.envs.base import EpisodeState
-from toolcollapse.envs.bfcl.backend import World, execute
+from toolcollapse.envs.bfcl.backend import ERROR_PREFIX, World, execute
+from toolcollapse.envs.bfcl.calls import LiteralCall
 from toolcollapse.envs.bfcl.checker import Verdict, check_turns
 from toolcollapse.envs.bfcl.data import (
     SPLITS,
@@ -51,7 +62,10 @@ from toolcollapse.envs.bfcl.tasks import (
 )
 from toolcollapse.parser import tool_table
 from toolcollapse.records import Message, ParsedTurn, Task, ToolCall
+from toolcollapse.sandbox import Sandbox
 from toolcollapse.tools import ToolSpec
+
+STOPPED = LiteralCall("", (), {})  # a call stopped at the time limit: in the check, a call that ran nothing
 
 
 @dataclass
@@ -59,9 +73,12 @@ class Progress:
     """An episode's BFCL state, kept in `EpisodeState.extra["bfcl"]`."""
 
     entry: Entry
-    world: World  # the live instances the model's calls run on
+    session: int  # the sandbox session holding the live instances the model's calls run on
     turn: int = 0  # the user turn in progress
+    replied: int = 1  # user turns the model has written at least one turn in (a user turn shown after the
+    # last allowed assistant turn was never replied to)
     calls: list[list[ToolCall]] = field(default_factory=lambda: [[]])  # per user turn reached
+    stopped: set[tuple[int, int]] = field(default_factory=set)  # (turn, index) of calls stopped at the limit
     rejected: list[str] = field(default_factory=list)  # error observations of calls that ran nothing
     verdict: Verdict | None = None  # set by `success`
 
@@ -70,10 +87,12 @@ class BFCL:
     name = "bfcl"
     splits = SPLITS
 
-    def __init__(self, cfg: BFCLConfig = BFCLConfig()):
+    def __init__(self, cfg: BFCLConfig = BFCLConfig(), tools: ToolsConfig = ToolsConfig()):
         for category in cfg.categories:
             check_category(category)
         self.cfg = cfg
+        self.sandbox = Sandbox(tools.timeout_s, tools.memory_mb, tools.isolated, preload=(__name__,))
+        self._checker: int | None = None  # a sandbox session for success checks (they build fresh worlds)
         self.data_dir = bfcl_data_dir(cfg.data_dir)
         self._docs: dict[str, list[ToolSpec]] = {}
         self._entries: dict[str, Entry] = {}
@@ -115,13 +134,17 @@ class BFCL:
     def reset(self, task: Task) -> EpisodeState:
         entry = self.entry(task)
         docs = self.docs(entry)
-        progress = Progress(entry, new_world(entry, docs))
-        return EpisodeState(task=task, tools=tool_table(tools_at_start(entry, docs)), extra={"bfcl": progress})
+        progress = Progress(entry, self.sandbox.open(functools.partial(new_world, entry, docs)))
+        state = EpisodeState(task=task, tools=tool_table(tools_at_start(entry, docs)), extra={"bfcl": progress})
+        self.sandbox.track(state, progress.session)  # the instances go when the episode does
+        return state
 
     def step(self, state: EpisodeState, turn: ParsedTurn) -> list[Message]:
+        progress: Progress = state.extra["bfcl"]
+        progress.replied = progress.turn + 1  # the model wrote a turn in the user turn in progress
         if turn.end == "call":
             state.n_calls += 1
-            return [self._run_call(state.extra["bfcl"], turn)]
+            return [self._run_call(progress, turn)]
         if turn.end == "answer":
             state.final_text = turn.text
             return self._next_user_turn(state)
@@ -129,20 +152,39 @@ class BFCL:
         return []
 
     def success(self, state: EpisodeState) -> bool:
+        """BFCL's verdict on the user turns the model replied in (`check_turns`), run in the tool process."""
         progress: Progress = state.extra["bfcl"]
-        docs = self.docs(progress.entry)
-        model_turns = [[as_literal(c) for c in turn] for turn in progress.calls]
-        progress.verdict = check_turns(new_world(progress.entry, docs), new_world(progress.entry, docs),
-                                       model_turns, progress.entry.ground_truth)
+        model_turns = [[STOPPED if (k, i) in progress.stopped else as_literal(c) for i, c in enumerate(turn)]
+                       for k, turn in enumerate(progress.calls[:progress.replied])]
+        if self._checker is None:
+            self._checker = self.sandbox.open(dict, stateless=True)
+        n_calls = sum(map(len, model_turns)) + sum(map(len, progress.entry.ground_truth))
+        outcome = self.sandbox.call(self._checker, _check, progress.entry, self.docs(progress.entry), model_turns,
+                                    timeout_s=self.sandbox.timeout_s * (2 + n_calls))
+        progress.verdict = outcome.value if outcome.ok else Verdict(False, "toolcollapse:check_failed", -1,
+                                                                    outcome.error)
         return progress.verdict.valid
+
+    def instances(self, state: EpisodeState) -> dict[str, Any]:
+        """A copy of the episode's live backend instances (for inspection: changing it changes nothing)."""
+        outcome = self.sandbox.call(state.extra["bfcl"].session, _instances, record=False)
+        if not outcome.ok:
+            raise RuntimeError(f"the episode's instances are unavailable: {outcome.error}")
+        return outcome.value
 
     # ------------------------------------------------------------------ internals
 
     def _run_call(self, progress: Progress, turn: ParsedTurn) -> Message:
         if turn.call is None:
             return Message("tool", json.dumps({"error": f"could not parse the tool call: {turn.detail}"}))
-        progress.calls[progress.turn].append(turn.call)
-        result, ran = execute(progress.world, as_literal(turn.call))
+        calls = progress.calls[progress.turn]
+        calls.append(turn.call)
+        outcome = self.sandbox.call(progress.session, execute, as_literal(turn.call))
+        if not outcome.ok:  # stopped at the time limit, or the tool process died: the call left no trace
+            progress.stopped.add((progress.turn, len(calls) - 1))
+            return Message("tool", f"{ERROR_PREFIX}{turn.call.name[:80]} did not finish ({outcome.error}); "
+                                   "it was stopped and changed nothing")
+        result, ran = outcome.value
         if not ran:
             progress.rejected.append(result)
         return Message("tool", result)
@@ -166,3 +208,11 @@ class BFCL:
             self._categories[category] = load_entries(self.data_dir, category)
             self._entries.update((e.id, e) for e in self._categories[category])
         return self._categories[category]
+
+
+def _check(_: Any, entry: Entry, docs: ClassDocs, model_turns: Sequence[Sequence[LiteralCall]]) -> Verdict:
+    return check_turns(new_world(entry, docs), new_world(entry, docs), model_turns, entry.ground_truth)
+
+
+def _instances(world: World) -> dict[str, Any]:
+    return world.instances

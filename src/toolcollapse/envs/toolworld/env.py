@@ -1,19 +1,26 @@
-"""The tool world as an `Environment`: tasks by split, tool execution, answer check."""
+"""The tool world as an `Environment`: tasks by split, tool execution, answer check.
+
+Calls run in the tool process (`toolcollapse.sandbox`), each within `tools.timeout_s`:
+a call past it is answered with an error observation, and nothing a model writes can
+hang or crash the episode.
+"""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Iterator
 
-from toolcollapse.config import SPLITS, WorldConfig
+from toolcollapse.chat import render_text
+from toolcollapse.config import SPLITS, ToolsConfig, WorldConfig
 from toolcollapse.envs.base import EpisodeState
 from toolcollapse.envs.toolworld.functions import WorldTools
 from toolcollapse.envs.toolworld.kb import generate_kb
 from toolcollapse.envs.toolworld.prompts import STYLES, system_prompt
 from toolcollapse.envs.toolworld.tasks import make_tasks
-from toolcollapse.chat import render_text
-from toolcollapse.records import Message, ParsedTurn, Task
+from toolcollapse.records import Message, ParsedTurn, Task, ToolCall
+from toolcollapse.sandbox import Sandbox
 
 _ANSWER = re.compile(r"answer is\s*(.*?)\s*\.?\s*$", re.I | re.S)
 
@@ -22,11 +29,13 @@ class ToolWorld:
     name = "toolworld"
     splits = SPLITS
 
-    def __init__(self, cfg: WorldConfig = WorldConfig()):
+    def __init__(self, cfg: WorldConfig = WorldConfig(), tools: ToolsConfig = ToolsConfig()):
         self.cfg = cfg
         self.kb = generate_kb(cfg.seed, cfg.pool_scale)
-        self.functions = WorldTools(self.kb, distractors=cfg.distractor_tools)
+        self.functions = WorldTools(self.kb, distractors=cfg.distractor_tools)  # the oracle's, in this process
         self.tool_table = dict(self.functions.by_name)
+        self.sandbox = Sandbox(tools.timeout_s, tools.memory_mb, tools.isolated, preload=(__name__,))
+        self._session: int | None = None  # the tool process's copy of the functions (they hold no state)
         self._splits: dict[str, list[Task]] = {}
 
     def tasks(self, split: str, n: int | None = None) -> list[Task]:
@@ -60,7 +69,7 @@ class ToolWorld:
             state.n_calls += 1
             if turn.call is None:
                 return [Message("tool", json.dumps({"error": f"could not parse the tool call: {turn.detail}"}))]
-            return [Message("tool", self.functions.execute(turn.call)[1])]
+            return [Message("tool", self.run_call(turn.call))]
         if turn.end == "answer":
             state.final_text = turn.text
         state.done = True
@@ -68,6 +77,20 @@ class ToolWorld:
 
     def success(self, state: EpisodeState) -> bool:
         return state.final_text is not None and answer_matches(state.final_text, state.task.answer)
+
+    def run_call(self, call: ToolCall) -> str:
+        """The observation of one call, run in the tool process within the time limit."""
+        if self._session is None:
+            self._session = self.sandbox.open(functools.partial(WorldTools, self.kb, self.cfg.distractor_tools),
+                                              stateless=True)
+        outcome = self.sandbox.call(self._session, _observation, call)
+        if outcome.ok:
+            return outcome.value
+        return json.dumps({"error": f"{call.name} did not finish: {outcome.error}"}, ensure_ascii=False)
+
+
+def _observation(tools: WorldTools, call: ToolCall) -> str:
+    return tools.execute(call)[1]
 
 
 def answer_matches(text: str, expected: str) -> bool:

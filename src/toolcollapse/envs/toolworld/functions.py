@@ -2,8 +2,8 @@
 
 Six tools solve tasks (lookup, arithmetic, unit conversion, two date tools, list
 aggregation); three more are documented distractors that no task needs. Every
-failure -- unknown entity, bad unit, malformed date -- comes back as a JSON error
-observation; nothing raises into the rollout loop.
+failure -- unknown entity, bad unit, malformed date, a result too large to write or
+not a finite number -- comes back as a JSON error observation; `execute` never raises.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import math
 from typing import Any, Callable
 
 from toolcollapse.envs.toolworld.kb import KnowledgeBase, Value
@@ -91,20 +92,24 @@ class WorldTools:
         }
 
     def execute(self, call: ToolCall) -> tuple[Value | None, str]:
-        """(result value or None on error, observation JSON)."""
+        """(result value or None on error, observation JSON). Never raises."""
         spec = self.by_name.get(call.name)
         if spec is None:
-            return None, _error(f"unknown tool {call.name!r}; available: {', '.join(self.by_name)}")
+            return None, _error(f"unknown tool {str(call.name)[:80]!r}; available: {', '.join(self.by_name)}")
         problems = validate_arguments(spec, call.arguments)
         if problems:
             return None, _error("bad arguments: " + "; ".join(problems))
         try:
             value = self._impl[call.name](**call.arguments)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ToolError(f"the result is not a finite number ({value})")
+            return value, json.dumps({"result": value}, ensure_ascii=False)
         except ToolError as err:
             return None, _error(str(err))
-        except (ArithmeticError, ValueError, OverflowError) as err:
-            return None, _error(f"{call.name} failed: {err}")
-        return value, json.dumps({"result": value}, ensure_ascii=False)
+        except ValueError as err:  # also an int result over Python's 4300-digit str() limit
+            return None, _error(f"{call.name} failed: {str(err)[:200]}")
+        except Exception as err:  # ArithmeticError, MemoryError, ...: an observation, never a crash
+            return None, _error(f"{call.name} failed: {type(err).__name__}: {str(err)[:200]}")
 
     # ------------------------------------------------------------------ tools
 
@@ -162,4 +167,7 @@ class WorldTools:
 
 
 def _error(message: str) -> str:
+    """An error observation; a message quoting a huge argument is cut (a model can write 100 k chars)."""
+    if len(message) > 500:
+        message = message[:500] + " ..."
     return json.dumps({"error": message}, ensure_ascii=False)
