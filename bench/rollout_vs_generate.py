@@ -5,7 +5,9 @@ The baseline is what most multi-turn RL code does: every turn, call
 prefilled again each turn. Both sides run the same model on the same tasks, greedy,
 with the same stop tokens, turn cap and token budget, and append the same template
 and tool-response tokens; the script checks that they sampled the same number of
-tokens and prints the ratio of sampled tokens per second, measured side by side.
+tokens and prints the ratio of sampled tokens per second, measured side by side. The
+engine runs twice: as it is, and with shared-prefix attention and row compaction off
+(the engine before issue 14), so both steps of the gain are measured on one machine.
 
     python bench/rollout_vs_generate.py --checkpoint runs/tiny/sft --tasks 64
 """
@@ -82,22 +84,27 @@ def main() -> None:
                             max_seq_len=cfg.model.max_seq_len, greedy=True, batch_size=len(tasks))
     engine = RolloutEngine(model, tokenizer, env)
     engine.generate(tasks[:4], params)  # warm-up (allocator, kernels)
-
-    t0 = time.perf_counter()
-    episodes = engine.generate(tasks, params)
-    ours_s = time.perf_counter() - t0
-    ours_tokens = sum(sum(ep.loss_mask) for ep in episodes)
+    sides = {}
+    for name, new in (("toolcollapse engine", True), ("engine before issue 14", False)):
+        t0 = time.perf_counter()
+        episodes = RolloutEngine(model, tokenizer, env, cascade=new, compact=new).generate(tasks, params)
+        sides[name] = (sum(sum(ep.loss_mask) for ep in episodes), time.perf_counter() - t0, [e.tokens for e in episodes])
     t0 = time.perf_counter()
     base_tokens = generate_per_turn(model, tokenizer, env, tasks, params)
-    base_s = time.perf_counter() - t0
+    sides["generate() per turn"] = (base_tokens, time.perf_counter() - t0, None)
 
     print(f"model {args.checkpoint} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params), "
           f"{len(tasks)} {args.split} tasks, greedy, max_turns {params.max_turns}, "
           f"max_new_tokens {params.max_new_tokens}, {args.threads} threads")
-    print(f"toolcollapse engine   : {ours_tokens} sampled tokens in {ours_s:.1f} s = {ours_tokens / ours_s:.0f} tok/s")
-    print(f"generate() per turn   : {base_tokens} sampled tokens in {base_s:.1f} s = {base_tokens / base_s:.0f} tok/s")
-    print(f"speed-up (tok/s ratio): {(ours_tokens / ours_s) / (base_tokens / base_s):.2f}x"
-          + ("" if ours_tokens == base_tokens else "  (token counts differ: float noise in greedy ties)"))
+    for name, (tokens, seconds, _) in sides.items():
+        print(f"{name:24s}: {tokens} sampled tokens in {seconds:.1f} s = {tokens / seconds:.0f} tok/s")
+    rate = {name: tokens / seconds for name, (tokens, seconds, _) in sides.items()}
+    print(f"speed-up over generate() per turn: {rate['toolcollapse engine'] / rate['generate() per turn']:.2f}x "
+          f"(the engine before issue 14: {rate['engine before issue 14'] / rate['generate() per turn']:.2f}x)")
+    same = sides["toolcollapse engine"][2] == sides["engine before issue 14"][2]
+    counts = {tokens for tokens, _, _ in sides.values()}
+    print(f"identical episodes, engine now vs before: {same}" + ("" if len(counts) == 1 else
+          "; token counts differ from generate(): float noise in greedy ties"))
 
 
 if __name__ == "__main__":

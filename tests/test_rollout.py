@@ -147,3 +147,48 @@ def test_an_oracle_policy_rolls_out_exactly_the_sft_tokens(tiny_model, tokenizer
     after_calls = [ep.loss_mask[t.end - 1] for t in ep.turns if t.parsed.end == "call"
                    if ep.tokens[t.end - 1] == im_end]
     assert len(after_calls) == (sum(m.tool_call is not None for m in task.reference) if call_end == "sampled" else 0)
+
+
+class StopsSometimes(torch.nn.Module):
+    """A greedy policy whose turns are calls of varied lengths, decided by its history alone: it opens
+    each turn with <tool_call>, then writes the inner model's choice among non-stop tokens, or
+    </tool_call> where token id + position is a multiple of 9."""
+
+    def __init__(self, inner, stops: list[int], turn_start: int, open_call: int):
+        super().__init__()
+        self.inner, self.config, self.stops = inner, inner.config, stops
+        self.turn_start, self.open_call = turn_start, open_call  # last token of "<|im_start|>assistant\n"
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
+                logits_to_keep=0, **kwargs):
+        from toolcollapse.model import forward
+
+        out = forward(self.inner, input_ids, attention_mask, position_ids, past_key_values, logits_to_keep)
+        logits = out.logits.clone()
+        logits[:, -1, self.stops] = -1e9
+        stop_here = (input_ids[:, -1] + position_ids[:, -1]) % 9 == 0
+        logits[stop_here, -1, self.stops[0]] = 1e9
+        logits[input_ids[:, -1] == self.turn_start, -1, self.open_call] = 2e9
+        out.logits = logits
+        return out
+
+
+def test_shared_prefix_attention_and_row_compaction_change_no_greedy_episode(tiny_model, tokenizer, world):
+    """The engine's two speed-ups are exact: the same greedy episodes as the engine before them, on
+    prompts that share the system prompt (test) and on prompts in four renderings (ood_format, whose
+    shared prefix is shorter), in groups, with turns that end at different times (rows leave the batch)."""
+    from toolcollapse.chat import PieceEncoder
+
+    stops = [tokenizer.convert_tokens_to_ids(t) for t in ("</tool_call>", "<|im_end|>")]
+    turn_start = PieceEncoder(tokenizer).encode(generation_prompt())[0][-1]
+    model = StopsSometimes(tiny_model, stops, turn_start, tokenizer.convert_tokens_to_ids("<tool_call>")).eval()
+    tasks = world.tasks("test")[:3] + world.tasks("ood_format")[:3]
+    params = SamplingParams(max_turns=3, max_new_tokens=30, greedy=True, batch_size=12)
+    before = RolloutEngine(model, tokenizer, world, cascade=False, compact=False).generate(tasks, params, group_size=2)
+    now = RolloutEngine(model, tokenizer, world).generate(tasks, params, group_size=2)
+    assert [e.tokens for e in now] == [e.tokens for e in before]
+    assert [e.loss_mask for e in now] == [e.loss_mask for e in before]
+    torch.testing.assert_close(torch.tensor([x for e in now for x in e.logprobs]),
+                               torch.tensor([x for e in before for x in e.logprobs]), atol=1e-4, rtol=0)
+    lengths = {t.end - t.start for e in now for t in e.turns}
+    assert len(lengths) > 3 and max(len(e.turns) for e in now) > 1  # rows left the batch; turns were appended

@@ -28,16 +28,23 @@ def test_collate_selects_positions_before_trained_tokens():
 
 def test_shared_prefix_len():
     rows = [[1] * 40 + [2, 3, 4], [1] * 40 + [5, 6]]
-    assert shared_prefix_len(rows, first_trained=[42, 41]) == 40
-    assert shared_prefix_len(rows, first_trained=[35, 41]) == 34  # h[34] predicts the first trained token
-    assert shared_prefix_len([[1] * 10 + [2], [1] * 10 + [3]], [10, 10]) == 0  # too short to bother
+    assert shared_prefix_len(rows) == 40
+    assert shared_prefix_len([[1] * 40, [1] * 40 + [2]]) == 39  # every row keeps at least its last token
+    assert shared_prefix_len([[1] * 10 + [2], [1] * 10 + [3]]) == 0  # too short to bother
 
 
-def test_shared_prefix_forward_equals_plain_forward(world, tokenizer, tiny_model):
-    examples = encode_tasks(PieceEncoder(tokenizer), world.tasks("train")[:3])
+@pytest.mark.parametrize("same_task", [False, True])
+def test_shared_prefix_forward_equals_plain_forward(world, tokenizer, tiny_model, same_task):
+    """The shared prefix runs once -- the system prompt, or (rows of one task, as a GRPO group) also
+    the question and the first turns, trained positions included -- and changes nothing."""
+    tasks = world.tasks("train")[:1] * 3 if same_task else world.tasks("train")[:3]
+    examples = encode_tasks(PieceEncoder(tokenizer), tasks)
+    if same_task:  # the rows part after the first observation
+        examples = [(x[:len(x) - 5 * i], m[:len(x) - 5 * i]) for i, (x, m) in enumerate(examples)]
     ids, select = collate(examples, tokenizer.pad_token_id)
-    prefix = shared_prefix_len([x for x, _ in examples], [m.index(1) for _, m in examples])
+    prefix = shared_prefix_len([x for x, _ in examples])
     assert prefix > 100  # the system prompt
+    assert same_task == bool(select[:, :prefix].any())  # trained positions inside the shared prefix
     grads = []
     for p in (0, prefix):
         tiny_model.zero_grad()

@@ -134,14 +134,13 @@ def output_cache(out: Any) -> Any:
 
 
 def hidden_states(model: PreTrainedModel, input_ids: torch.Tensor, prefix_len: int = 0) -> torch.Tensor:
-    """Last hidden states [B, T - prefix_len, D] of right-padded rows that share their first
-    `prefix_len` tokens.
+    """Last hidden states [B, T, D] of right-padded rows that share their first `prefix_len` tokens.
 
-    The shared prefix (on the tool world, a ~650-token system prompt) is run once, its
-    KV cache repeated over the batch, and only the rest of each row is run on top --
-    gradients flow through the cache into the prefix, so the result equals a plain
-    forward over every row. Right padding needs no attention mask: causal attention
-    never looks ahead at the pads.
+    The shared prefix -- the system prompt; in a GRPO group also the question and whatever
+    the group's rollouts wrote alike -- is run once: its hidden states serve every row, and
+    its KV cache, repeated over the batch, is what the rest of each row attends to.
+    Gradients flow through both, so the result equals a plain forward over every row.
+    Right padding needs no attention mask: causal attention never looks ahead at the pads.
     """
     decoder = model.get_decoder()
     if prefix_len == 0:
@@ -149,20 +148,17 @@ def hidden_states(model: PreTrainedModel, input_ids: torch.Tensor, prefix_len: i
     batch, width = input_ids.shape
     cache = DynamicCache(config=model.config)
     kw = cache_kwarg(decoder)
-    decoder(input_ids=input_ids[:1, :prefix_len], use_cache=True, **{kw: cache})
+    head = decoder(input_ids=input_ids[:1, :prefix_len], use_cache=True, **{kw: cache}).last_hidden_state
     cache.batch_repeat_interleave(batch)
-    positions = torch.arange(prefix_len, width).expand(batch, -1)
-    return decoder(input_ids=input_ids[:, prefix_len:], position_ids=positions, use_cache=True,
+    positions = torch.arange(prefix_len, width, device=input_ids.device).expand(batch, -1)
+    rest = decoder(input_ids=input_ids[:, prefix_len:], position_ids=positions, use_cache=True,
                    **{kw: cache}).last_hidden_state
+    return torch.cat([head.expand(batch, -1, -1), rest], dim=1)  # [B, T, D]
 
 
-def shared_prefix_len(rows: list[list[int]], first_trained: list[int], min_len: int = 32) -> int:
-    """Length of the prefix all rows share that holds no trained position (0 when short).
-
-    The hidden state at position t predicts token t + 1, so the prefix must stop
-    before the position preceding the first trained token of any row.
-    """
-    limit = min(min(len(r) for r in rows), min(first_trained) - 1)
+def shared_prefix_len(rows: list[list[int]], min_len: int = 32) -> int:
+    """Length of the prefix all rows share, leaving each at least its last token (0 when short)."""
+    limit = min(len(r) for r in rows) - 1
     first = rows[0]
     n = 0
     while n < limit and all(r[n] == first[n] for r in rows):
@@ -177,5 +173,5 @@ def logits_at(model: PreTrainedModel, input_ids: torch.Tensor, select: torch.Ten
     The LM head runs only on the selected rows: on the tool world a training batch
     predicts ~12 % of its positions, so the full [B, T, V] logits would be waste.
     """
-    hidden = hidden_states(model, input_ids, prefix_len)  # [B, T - P, D]
-    return model.get_output_embeddings()(hidden[select[:, prefix_len:]])  # [M, V]
+    hidden = hidden_states(model, input_ids, prefix_len)  # [B, T, D]
+    return model.get_output_embeddings()(hidden[select])  # [M, V]

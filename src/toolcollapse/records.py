@@ -141,6 +141,12 @@ class PolicyBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def rows(self, index: slice) -> "PolicyBatch":
+    def rows(self, index: "slice | torch.Tensor") -> "PolicyBatch":
         return PolicyBatch(self.input_ids[index], self.target_mask[index], self.old_logp[index],
                            self.advantages[index])
+
+    def trimmed(self) -> "PolicyBatch":
+        """Without the columns after the last sampled token of any row (they change no log-prob)."""
+        width = int(self.target_mask.any(dim=0).nonzero().max()) + 1 if self.target_mask.any() else 1
+        return PolicyBatch(self.input_ids[:, :width], self.target_mask[:, :width], self.old_logp[:, :width],
+                           self.advantages)

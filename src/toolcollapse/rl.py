@@ -94,8 +94,7 @@ def policy_logprobs(model: Any, batch: PolicyBatch, temperature: float = 1.0) ->
     token, [M] each, row-major."""
     select = torch.zeros_like(batch.target_mask)
     select[:, :-1] = batch.target_mask[:, 1:]  # the position before a sampled token predicts it
-    firsts = [int(row.nonzero()[0]) if row.any() else row.numel() for row in batch.target_mask]
-    prefix = shared_prefix_len([r.tolist() for r in batch.input_ids], firsts)
+    prefix = shared_prefix_len([r.tolist() for r in batch.input_ids])
     logits = logits_at(model, batch.input_ids, select, prefix).float()  # [M, V]
     logp_all = torch.log_softmax(logits / temperature, dim=-1)
     targets = batch.input_ids[batch.target_mask]  # [M]
@@ -131,8 +130,7 @@ def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torc
     n_tokens, n_seqs = int(batch.target_mask.sum()), len(batch)
     sums: Counter[str] = Counter()
     finite = True
-    for k, start in enumerate(range(0, n_seqs, cfg.micro_batch_size)):
-        mb = batch.rows(slice(start, start + cfg.micro_batch_size))
+    for k, mb in enumerate(micro_batches(batch, cfg.micro_batch_size, cfg.sort_micro_batches)):
         logp, entropy = policy_logprobs(model, mb, temperature)
         old = mb.old_logp[mb.target_mask]
         seq_ids = mb.target_mask.nonzero()[:, 0]  # [M] row of each sampled token
@@ -182,8 +180,7 @@ def policy_step(model: Any, ref_model: Any | None, optimizer: torch.optim.Optimi
         return {**asdict(adv_stats), "skipped_uninformative": 1, "skipped_nonfinite": 0}
     batch = build_batch(episodes, advantages, pad_id)
     share = grad_share(model, batch, g, control_ids, grad_share_rows, temperature) if grad_share_rows else {}
-    ref_logp = (reference_logprobs(ref_model, batch, g.micro_batch_size, temperature) if ref_model is not None
-                else None)
+    ref_logp = (reference_logprobs(ref_model, batch, g, temperature) if ref_model is not None else None)
     collected: list = []  # per-token tensors of the last update's forward, for the control-token statistics
     updates = [grpo_update(model, ref_logp, optimizer, batch, g, collect=collected if k == g.updates_per_batch - 1
                            else None, temperature=temperature) for k in range(g.updates_per_batch)]
@@ -207,10 +204,21 @@ def grad_share(model: Any, batch: PolicyBatch, g: Any, control_ids: dict[str, in
 
 
 @torch.no_grad()
-def reference_logprobs(ref_model: Any, batch: PolicyBatch, micro_batch_size: int,
-                       temperature: float = 1.0) -> list[torch.Tensor]:
-    return [policy_logprobs(ref_model, batch.rows(slice(s, s + micro_batch_size)), temperature)[0]
-            for s in range(0, len(batch), micro_batch_size)]
+def reference_logprobs(ref_model: Any, batch: PolicyBatch, g: Any, temperature: float = 1.0) -> list[torch.Tensor]:
+    """The reference's log-probs [M] per micro-batch, in `grpo_update`'s micro-batches."""
+    return [policy_logprobs(ref_model, mb, temperature)[0]
+            for mb in micro_batches(batch, g.micro_batch_size, g.sort_micro_batches)]
+
+
+def micro_batches(batch: PolicyBatch, size: int, by_length: bool) -> list[PolicyBatch]:
+    """`batch` in micro-batches of `size` rows. `by_length`: rows sorted by their last sampled
+    position and each micro-batch cut after it (the same sum of gradients, less padding)."""
+    if not by_length:
+        return [batch.rows(slice(s, s + size)) for s in range(0, len(batch), size)]
+    positions = torch.arange(batch.target_mask.shape[1])
+    ends = (batch.target_mask * positions).amax(dim=1)  # [N] last sampled position (0 if none)
+    order = torch.sort(ends, stable=True).indices
+    return [batch.rows(order[s:s + size]).trimmed() for s in range(0, len(batch), size)]
 
 
 # ----------------------------------------------------------------------------- rollout statistics
@@ -352,7 +360,8 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
     env = make_env(cfg)
     order = task_order(env.tasks(g.split), cfg.seed)
     probe, probe_tokens = _probe(cfg, env, tokenizer)
-    engine = RolloutEngine(model, tokenizer, env, cfg.rollout.call_end)
+    engine = RolloutEngine(model, tokenizer, env, cfg.rollout.call_end, cfg.rollout.shared_prefix_attention,
+                           cfg.rollout.compact_finished_rows)
     params = sampling_params(cfg, greedy=False)
     bar = progress(g.steps, "rl", initial=start)
     m = cfg.monitor

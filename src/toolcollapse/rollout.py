@@ -15,6 +15,12 @@ For a batch of tasks and G rollouts each:
 
 Padding inside the cache is masked, and positions count real tokens only, so each
 sequence sees exactly what an unpadded forward over `Episode.tokens` would see.
+
+With `cascade` (the default) the prefix every prompt of the batch shares -- the system
+prompt -- is run once and its keys and values are kept once: each decoding step attends
+to them for all rows in one product (`attention.py`, `kvcache.CascadeLayer`) instead of
+through a copy per row; the rest of each row is cached per row as before. Exact: the
+same episodes as without it (greedy: identical tokens; tested).
 The sampling log-prob of every sampled token is recorded (under the distribution it
 was sampled from: temperature and top-p applied), and `loss_mask` is 1 only there.
 Same seed, same batch -> same rollouts.
@@ -22,17 +28,19 @@ Same seed, same batch -> same rollouts.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from toolcollapse.chat import (ENDOFTEXT, CONTROL_TAGS, PieceEncoder, conversation_pieces, generation_prompt,
                                message_pieces, stop_tags, turn_suffix)
+from toolcollapse.attention import cascade, causal_mask
 from toolcollapse.envs.base import Environment, EpisodeState
-from toolcollapse.kvcache import append_only_cache
-from toolcollapse.model import forward, output_cache
+from toolcollapse.kvcache import add_rows, append_only_cache, cascade_cache, prefix_kv, take_rows
+from toolcollapse.model import forward
 from toolcollapse.parser import parse_turn_ids
 from toolcollapse.records import CallEnd, Episode, Task, TurnRecord
 from toolcollapse.runtime import progress
@@ -80,11 +88,14 @@ class _Row:
 
 
 class RolloutEngine:
-    def __init__(self, model: PreTrainedModel, tokenizer: Any, env: Environment, call_end: CallEnd = "template"):
+    def __init__(self, model: PreTrainedModel, tokenizer: Any, env: Environment, call_end: CallEnd = "template",
+                 cascade: bool = True, compact: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         self.env = env
         self.call_end = call_end  # who writes a call turn's <|im_end|> (chat.py)
+        self.cascade = cascade  # one copy of the batch's shared prefix (False: a copy per row, the old path)
+        self.compact = compact  # rows whose turn ended leave the decoding batch (False: they decode pads)
         self.encoder = PieceEncoder(tokenizer)
         ids = self.encoder.special_ids
         self.stop_ids = frozenset(ids[t] for t in stop_tags(call_end))
@@ -101,13 +112,14 @@ class RolloutEngine:
         self.model.eval()
         bar = progress(len(tasks) * group_size, "rollout") if show_progress else None
         try:
-            episodes: list[Episode] = []
-            for i in range(0, len(tasks), per_batch):
-                batch = self._generate_batch(tasks[i:i + per_batch], params, group_size, generator)
-                episodes += batch
-                if bar is not None:
-                    bar.update(len(batch))
-            return episodes
+            with cascade(self.model) if self.cascade else contextlib.nullcontext():
+                episodes: list[Episode] = []
+                for i in range(0, len(tasks), per_batch):
+                    batch = self._generate_batch(tasks[i:i + per_batch], params, group_size, generator)
+                    episodes += batch
+                    if bar is not None:
+                        bar.update(len(batch))
+                return episodes
         finally:
             self.model.train(was_training)
             if bar is not None:
@@ -131,7 +143,7 @@ class RolloutEngine:
         all_rows = list(rows)
 
         for turn in range(params.max_turns):
-            logits, attn, next_pos = self._decode_turn(rows, cache, logits, attn, next_pos, params, generator)
+            rows, attn, next_pos = self._decode_turn(rows, cache, logits, attn, next_pos, params, generator)
             chunks = self._finish_turn(rows, turn == params.max_turns - 1, params.max_seq_len)
             keep = [i for i, c in enumerate(chunks) if c is not None]
             if not keep:
@@ -148,20 +160,42 @@ class RolloutEngine:
         return [row.episode for row in all_rows]
 
     def _prefill(self, prompts: list[list[int]]):
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):  # left padding: every row's last position is real
+        """Run the prompts: with `cascade`, their shared prefix once into a CascadeLayer cache, then
+        each prompt's rest. (cache, last logits [n, V], rest mask [n, L], next positions [n])."""
+        shared = shared_prefix(prompts) if self.cascade else 0
+        if shared:
+            cache = DynamicCache(config=self.model.config)
+            forward(self.model, torch.tensor([prompts[0][:shared]]), cache=cache, logits_to_keep=1)
+            cache = cascade_cache(self.model.config, prefix_kv(cache))
+        else:
+            cache = append_only_cache(self.model.config)
+        rests = [p[shared:] for p in prompts]
+        width = max(len(p) for p in rests)
+        ids = torch.full((len(rests), width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(rests), width), dtype=torch.long)
+        for i, p in enumerate(rests):  # left padding: every row's last position is real
             ids[i, width - len(p):] = torch.tensor(p)
             attn[i, width - len(p):] = 1
-        pos = (attn.cumsum(dim=1) - 1).clamp(min=0)
-        cache = append_only_cache(self.model.config)
-        out = forward(self.model, ids, attn, pos, cache=cache, logits_to_keep=1)
-        return output_cache(out), out.logits[:, -1], attn, attn.sum(dim=1)
+        pos = shared + (attn.cumsum(dim=1) - 1).clamp(min=0)
+        logits = self._forward(ids, attn, pos, cache)
+        return cache, logits, attn, shared + attn.sum(dim=1)
+
+    def _forward(self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
+        """Logits [N, V] at the last position of `ids` [N, T]; attn [N, L]: which cached positions (past
+        the shared prefix) and new ones are real. With `cascade` the 4-D mask is built here."""
+        mask = attn
+        if self.cascade:  # [N, 1, T, L]: real positions, causal among the new ones
+            mask = attn.bool()[:, None, None, :] & causal_mask(ids.shape[1], attn.shape[1])
+        return forward(self.model, ids, mask, pos, cache=cache, logits_to_keep=1).logits[:, -1]
 
     def _decode_turn(self, rows: list[_Row], cache, logits, attn, next_pos, params, generator):
+        """One assistant turn for every row, in lock-step. With `compact`, once half the batch (and at
+        least PARK_MIN rows) has ended its turn, those rows leave the batch -- their cache rows are set
+        aside -- and come back, after the others, when the turn ends. Returns (rows in their new
+        order, attn, next positions)."""
         for row in rows:
             row.turn_ids, row.generating = [], True
+        parked = []  # (rows, their cache rows, attn, next positions) set aside this turn
         for _ in range(params.max_new_tokens):
             tokens, logps = sample_next(logits, params, generator)
             feed = torch.full((len(rows),), self.pad_id, dtype=torch.long)
@@ -179,12 +213,22 @@ class RolloutEngine:
                 if tok in self.stop_ids or len(ep.tokens) >= params.max_seq_len:
                     row.generating = False
             attn = torch.cat([attn, fed[:, None]], dim=1)
-            out = forward(self.model, feed[:, None], attn, next_pos[:, None], cache=cache, logits_to_keep=1)
-            logits = out.logits[:, -1]
+            logits = self._forward(feed[:, None], attn, next_pos[:, None], cache)
             next_pos = next_pos + fed
-            if not any(r.generating for r in rows):
+            live = [i for i, r in enumerate(rows) if r.generating]
+            if not live:
                 break
-        return logits, attn, next_pos
+            if self.compact and len(rows) - len(live) >= max(PARK_MIN, len(rows) // 2):
+                done = torch.tensor([i for i, r in enumerate(rows) if not r.generating])
+                parked.append(([rows[i] for i in done.tolist()], take_rows(cache, done), attn[done], next_pos[done]))
+                index = torch.tensor(live)
+                cache.batch_select_indices(index)
+                rows, logits, attn, next_pos = [rows[i] for i in live], logits[index], attn[index], next_pos[index]
+        for p_rows, p_cache, p_attn, p_pos in parked:
+            add_rows(cache, p_cache)
+            attn = torch.cat([attn, torch.nn.functional.pad(p_attn, (0, attn.shape[1] - p_attn.shape[1]))])
+            rows, next_pos = rows + p_rows, torch.cat([next_pos, p_pos])
+        return rows, attn, next_pos
 
     def _finish_turn(self, rows: list[_Row], last_turn: bool, max_seq_len: int) -> list[list[int] | None]:
         """Parse each row's turn, step the environment; the tokens to append, or None if the episode ended."""
@@ -237,8 +281,20 @@ class RolloutEngine:
             new[i, width - len(c):] = 1
         pos = next_pos[:, None] + (new.cumsum(dim=1) - 1).clamp(min=0)
         attn = torch.cat([attn, new], dim=1)
-        out = forward(self.model, ids, attn, pos, cache=cache, logits_to_keep=1)
-        return out.logits[:, -1], attn, next_pos + new.sum(dim=1)
+        return self._forward(ids, attn, pos, cache), attn, next_pos + new.sum(dim=1)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+MIN_SHARED = 32  # a shorter common prefix is not worth a cache of its own
+PARK_MIN = 4  # rows that ended their turn leave the decoding batch only this many at a time, or more
+
+
+def shared_prefix(prompts: Sequence[Sequence[int]]) -> int:
+    """Tokens every prompt starts with, leaving each at least one of its own (0 if under MIN_SHARED)."""
+    first, limit = prompts[0], min(len(p) for p in prompts) - 1
+    n = 0
+    while n < limit and all(p[n] == first[n] for p in prompts):
+        n += 1
+    return n if n >= MIN_SHARED else 0

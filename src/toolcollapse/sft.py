@@ -108,7 +108,7 @@ def batch_logits(model: Any, examples: Sequence[Example], pad_id: int) -> tuple[
     """Logits [M, V] at the trained positions and their targets [M]; a shared prefix is run once."""
     ids, select = collate(examples, pad_id)
     targets = ids[:, 1:][select[:, :-1]]  # [M]
-    prefix = shared_prefix_len([x for x, _ in examples], [m.index(1) for _, m in examples])
+    prefix = shared_prefix_len([x for x, _ in examples])
     return logits_at(model, ids, select, prefix), targets
 
 
