@@ -58,7 +58,7 @@ def load_trainer_state(path: Path, optimizer: torch.optim.Optimizer) -> int:
 
     file = Path(path) / "trainer.pt"
     try:
-        state = torch.load(file, weights_only=False)
+        state = torch.load(file, map_location="cpu", weights_only=False)  # AdamW moves its state to the weights
         optimizer.load_state_dict(state["optimizer"])
         _set_rng_state(state["rng"])
         return int(state["step"])

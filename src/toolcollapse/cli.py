@@ -188,6 +188,9 @@ def _prepare(args: argparse.Namespace) -> Callable[[], None]:
 
     check_env(cfg)  # a missing package, model or data
     check_lora(cfg.model.lora)
+    from toolcollapse.model import resolve_device
+
+    resolve_device(cfg.device)  # a GPU asked for that is not there
     if args.command == "sft":
         from toolcollapse.sft import run_sft
 

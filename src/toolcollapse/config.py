@@ -164,6 +164,9 @@ class ModelConfig(Checked):
     max_seq_len: Annotated[int, Range(64)] = 2048  # model context; also the rollout's hard limit
     cache_dir: str | None = None  # converted GGUF models; None: $TOOLCOLLAPSE_CACHE or ~/.cache/toolcollapse
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # bfloat16: mixed precision -- every forward (rollouts, update, reference, probe) runs under bfloat16
+    # autocast; weights, gradients, AdamW state and checkpoints stay float32, log-probs are taken in float32
+    dtype: Literal["float32", "bfloat16"] = "float32"
 
 
 @dataclass(frozen=True)
@@ -287,6 +290,7 @@ class RunConfig(Checked):
     seed: NonNegInt = 0
     out_dir: str = "runs/tiny"
     threads: Count | None = None  # torch intra-op threads; None: torch's default
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: the GPU when torch sees one; cuda: cuda:0
     env: Literal["toolworld", "bfcl"] = "toolworld"
     init: str | None = None  # checkpoint RL starts from (and the frozen KL reference)
     world: WorldConfig = field(default_factory=WorldConfig)
@@ -489,7 +493,8 @@ def checkpoint_problems(cfg: RunConfig, checkpoint: str | Path) -> list[str]:
             f"the policy would not know where its call turns end"]
 
 
-RESULT_NEUTRAL = ("threads",)  # keys a resumed run may change: how fast, not what is computed
+# keys a resumed run may change: how fast, not what is computed (a device changes float rounding only)
+RESULT_NEUTRAL = ("threads", "device")
 
 
 def first_difference(a: Any, b: Any, ignore: typing.Sequence[str] = RESULT_NEUTRAL) -> tuple[str, Any, Any] | None:

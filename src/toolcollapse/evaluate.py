@@ -20,7 +20,7 @@ from toolcollapse.chat import assistant_body
 from toolcollapse.config import ConfigError, RunConfig, checkpoint_problems
 from toolcollapse.envs import make_env
 from toolcollapse.envs.base import Environment
-from toolcollapse.model import load_model, load_tokenizer
+from toolcollapse.model import load_model, load_tokenizer, place, resolve_device
 from toolcollapse.parser import describe, parse_turn
 from toolcollapse.records import CallEnd, Episode, ErrorType, Task, TurnState
 from toolcollapse.rollout import RolloutEngine, SamplingParams
@@ -158,6 +158,8 @@ def rollout_limits(cfg: RunConfig, greedy: bool) -> dict[str, Any]:
               "greedy": greedy, "call_end": cfg.rollout.call_end}
     if not greedy:
         limits.update(temperature=p.temperature, top_p=p.top_p, seed=cfg.seed)
+    if cfg.model.dtype != "float32":  # bfloat16 forwards can decode other tokens
+        limits["dtype"] = cfg.model.dtype
     return limits
 
 
@@ -166,8 +168,9 @@ def run_eval(checkpoint: str | Path, cfg: RunConfig, out_path: str | Path | None
     problems = checkpoint_problems(cfg, checkpoint)
     if problems:
         raise ConfigError(problems[0])
+    device = resolve_device(cfg.device)
     set_threads(cfg.threads)
-    model = load_model(checkpoint)
+    model = place(load_model(checkpoint), device, cfg.model.dtype)
     tokenizer = load_tokenizer(checkpoint)
     env = make_env(cfg)
     tasks = env.tasks(cfg.eval.split, cfg.eval.n_tasks)

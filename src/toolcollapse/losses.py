@@ -85,7 +85,8 @@ def aggregate(values: torch.Tensor, seq_ids: torch.Tensor, mode: str, n_tokens: 
     if mode == "token_mean":
         return values.sum() / max(1, n_tokens)
     if mode == "seq_mean":
-        per_seq = torch.zeros(int(seq_ids.max().item()) + 1 if seq_ids.numel() else 1, dtype=values.dtype)
+        per_seq = torch.zeros(int(seq_ids.max().item()) + 1 if seq_ids.numel() else 1, dtype=values.dtype,
+                              device=values.device)
         counts = torch.zeros_like(per_seq)
         per_seq = per_seq.index_add(0, seq_ids, values)
         counts = counts.index_add(0, seq_ids, torch.ones_like(values))

@@ -8,6 +8,7 @@ small ~5.1 M, base ~19.6 M.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,43 @@ def check_finite(model: torch.nn.Module, path: Path) -> Any:
     return model
 
 
+# ----------------------------------------------------------------------------- devices and precision
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """`device:` of a run config as a torch device: auto is the GPU when torch sees one.
+    ConfigError for cuda on a machine without one (before any work)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device: cuda, but torch {torch.__version__} sees no GPU "
+                          f"(torch.version.cuda={torch.version.cuda}); use device: auto or cpu, or install a CUDA "
+                          "build of torch")
+    return torch.device(name)
+
+
+def place(model: torch.nn.Module, device: torch.device, dtype: str = "float32") -> Any:
+    """The model on `device`, its weights float32, its forwards to run in `dtype` (see `precision`)."""
+    model = model.to(device=device, dtype=torch.float32)
+    model.compute_dtype = DTYPES[dtype]  # read by `precision`; travels with the model object
+    return model
+
+
+def device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def precision(model: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """Mixed precision for a forward of `model`: bfloat16 autocast when `place` asked for it,
+    else nothing. Only forwards run inside it; backward follows the dtypes autocast chose."""
+    dtype = getattr(model, "compute_dtype", torch.float32)
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_of(model).type, dtype=dtype)
+
+
 def n_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
@@ -168,10 +206,12 @@ def shared_prefix_len(rows: list[list[int]], min_len: int = 32) -> int:
 
 def logits_at(model: PreTrainedModel, input_ids: torch.Tensor, select: torch.Tensor,
               prefix_len: int = 0) -> torch.Tensor:
-    """Next-token logits at the positions where `select` is True. input_ids, select: [B, T] -> [M, V].
+    """Next-token logits at the positions where `select` is True, float32. input_ids, select: [B, T] -> [M, V],
+    on the model's device, which the inputs must be on.
 
     The LM head runs only on the selected rows: on the tool world a training batch
     predicts ~12 % of its positions, so the full [B, T, V] logits would be waste.
     """
-    hidden = hidden_states(model, input_ids, prefix_len)  # [B, T, D]
-    return model.get_output_embeddings()(hidden[select])  # [M, V]
+    with precision(model):
+        hidden = hidden_states(model, input_ids, prefix_len)  # [B, T, D]
+        return model.get_output_embeddings()(hidden[select]).float()  # [M, V]

@@ -39,7 +39,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from toolcollapse.chat import ENDOFTEXT, IM_END, IM_START, TOOL_CALL, TOOL_CALL_END, TOOL_RESPONSE, TOOL_RESPONSE_END
-from toolcollapse.model import logits_at, shared_prefix_len
+from toolcollapse.model import device_of, logits_at, shared_prefix_len
 
 
 class Slot(enum.IntEnum):
@@ -172,11 +172,12 @@ def run_probe(model: Any, probe: ProbeSet, token_ids: Mapping[str, int], tempera
     was_training = model.training
     model.eval()
     parts = []
+    device = device_of(model)
     for start in range(0, len(probe.input_ids), PROBE_CHUNK):  # rows sorted by length: little padding a chunk
         select = probe.select[start:start + PROBE_CHUNK]
         width = int(select.any(dim=0).nonzero().max()) + 1
-        parts.append(logits_at(model, probe.input_ids[start:start + PROBE_CHUNK, :width], select[:, :width],
-                               probe.prefix_len).float())
+        parts.append(logits_at(model, probe.input_ids[start:start + PROBE_CHUNK, :width].to(device),
+                               select[:, :width].to(device), probe.prefix_len).cpu())
     logp = torch.log_softmax(torch.cat(parts) / temperature, dim=-1)
     model.train(was_training)
     return control_token_stats(logp, probe.slot_of, token_ids)

@@ -145,6 +145,10 @@ class PolicyBatch:
         return PolicyBatch(self.input_ids[index], self.target_mask[index], self.old_logp[index],
                            self.advantages[index])
 
+    def to(self, device: "torch.device | str") -> "PolicyBatch":
+        return PolicyBatch(self.input_ids.to(device), self.target_mask.to(device), self.old_logp.to(device),
+                           self.advantages.to(device))
+
     def trimmed(self) -> "PolicyBatch":
         """Without the columns after the last sampled token of any row (they change no log-prob)."""
         width = int(self.target_mask.any(dim=0).nonzero().max()) + 1 if self.target_mask.any() else 1

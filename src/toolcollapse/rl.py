@@ -57,7 +57,7 @@ from toolcollapse.config import (ConfigError, RunConfig, checkpoint_problems, du
 from toolcollapse.envs import make_env
 from toolcollapse.evaluate import sampling_params
 from toolcollapse.losses import aggregate, kl_k3, ppo_clip_loss
-from toolcollapse.model import load_model, load_tokenizer, logits_at, shared_prefix_len
+from toolcollapse.model import device_of, load_model, load_tokenizer, logits_at, place, resolve_device, shared_prefix_len
 from toolcollapse.sources import add_control_tokens, apply_lora, ready_for_chatml, token_ids
 from toolcollapse.monitor import (ProbeSet, build_probe, control_gradient_share, resolve_token_ids, run_probe,
                                   sampled_control_stats)
@@ -75,7 +75,8 @@ RUN_CONFIG = "config.yaml"
 # ----------------------------------------------------------------------------- tensors
 
 
-def build_batch(episodes: Sequence[Episode], advantages: torch.Tensor, pad_id: int) -> PolicyBatch:
+def build_batch(episodes: Sequence[Episode], advantages: torch.Tensor, pad_id: int,
+                device: torch.device | str = "cpu") -> PolicyBatch:
     width = max(len(ep.tokens) for ep in episodes)
     n = len(episodes)
     ids = torch.full((n, width), pad_id, dtype=torch.long)
@@ -86,7 +87,7 @@ def build_batch(episodes: Sequence[Episode], advantages: torch.Tensor, pad_id: i
         ids[i, :t] = torch.tensor(ep.tokens)
         mask[i, :t] = torch.tensor(ep.loss_mask, dtype=torch.bool)
         old[i, :t] = torch.tensor(ep.logprobs)
-    return PolicyBatch(ids, mask, old, advantages.float())
+    return PolicyBatch(ids, mask, old, advantages.float()).to(device)
 
 
 def policy_logprobs(model: Any, batch: PolicyBatch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,7 +96,7 @@ def policy_logprobs(model: Any, batch: PolicyBatch, temperature: float = 1.0) ->
     select = torch.zeros_like(batch.target_mask)
     select[:, :-1] = batch.target_mask[:, 1:]  # the position before a sampled token predicts it
     prefix = shared_prefix_len([r.tolist() for r in batch.input_ids])
-    logits = logits_at(model, batch.input_ids, select, prefix).float()  # [M, V]
+    logits = logits_at(model, batch.input_ids, select, prefix)  # [M, V] float32
     logp_all = torch.log_softmax(logits / temperature, dim=-1)
     targets = batch.input_ids[batch.target_mask]  # [M]
     logp = logp_all.gather(1, targets[:, None]).squeeze(1)
@@ -178,7 +179,7 @@ def policy_step(model: Any, ref_model: Any | None, optimizer: torch.optim.Optimi
     advantages, adv_stats = group_advantages(rewards, g.group_size, g.scale_adv_by_std)
     if g.skip_uninformative_steps and adv_stats.frac_groups_informative == 0:
         return {**asdict(adv_stats), "skipped_uninformative": 1, "skipped_nonfinite": 0}
-    batch = build_batch(episodes, advantages, pad_id)
+    batch = build_batch(episodes, advantages, pad_id, device_of(model))
     share = grad_share(model, batch, g, control_ids, grad_share_rows, temperature) if grad_share_rows else {}
     ref_logp = (reference_logprobs(ref_model, batch, g, temperature) if ref_model is not None else None)
     collected: list = []  # per-token tensors of the last update's forward, for the control-token statistics
@@ -199,7 +200,7 @@ def grad_share(model: Any, batch: PolicyBatch, g: Any, control_ids: dict[str, in
     logp, _ = policy_logprobs(model, mb, temperature)
     adv = mb.advantages[mb.target_mask.nonzero()[:, 0]]
     pg, _ = ppo_clip_loss(logp, mb.old_logp[mb.target_mask], adv, g.clip_low, g.clip_high, g.dual_clip)
-    is_ctrl = torch.isin(mb.input_ids[mb.target_mask], torch.tensor(list(control_ids.values())))
+    is_ctrl = torch.isin(mb.input_ids[mb.target_mask], torch.tensor(list(control_ids.values()), device=logp.device))
     return control_gradient_share(pg, is_ctrl, [p for p in model.parameters() if p.requires_grad])
 
 
@@ -215,7 +216,7 @@ def micro_batches(batch: PolicyBatch, size: int, by_length: bool) -> list[Policy
     position and each micro-batch cut after it (the same sum of gradients, less padding)."""
     if not by_length:
         return [batch.rows(slice(s, s + size)) for s in range(0, len(batch), size)]
-    positions = torch.arange(batch.target_mask.shape[1])
+    positions = torch.arange(batch.target_mask.shape[1], device=batch.target_mask.device)
     ends = (batch.target_mask * positions).amax(dim=1)  # [N] last sampled position (0 if none)
     order = torch.sort(ends, stable=True).indices
     return [batch.rows(order[s:s + size]).trimmed() for s in range(0, len(batch), size)]
@@ -327,11 +328,13 @@ def _policy_and_reference(cfg: RunConfig, source: Path, fresh: bool) -> tuple[An
             tqdm.write(f"rl: model: {note}")
         if cfg.model.lora.rank > 0:
             model = apply_lora(model, cfg.model.lora, token_ids(tokenizer, added))
+    device = resolve_device(cfg.device)
     ref_model = None
     if cfg.grpo.kl_coef > 0:  # the initial model, grown the same way (the new rows are a function of the old)
         ref_model = load_model(cfg.init).eval()
         add_control_tokens(ref_model, load_tokenizer(cfg.init))
-    return model, tokenizer, ref_model
+        ref_model = place(ref_model, device, cfg.model.dtype)
+    return place(model, device, cfg.model.dtype), tokenizer, ref_model
 
 
 def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmHandler | None = None,
@@ -422,6 +425,7 @@ def _probe(cfg: RunConfig, env: Any, tokenizer: Any) -> tuple[ProbeSet | None, d
 def check_run_start(cfg: RunConfig, run_dir: Path, resume: bool, overwrite: bool) -> None:
     """ConfigError before anything is loaded or written: an RL-incompatible config, a new run
     aimed at another run's directory, a resumed run given another config."""
+    resolve_device(cfg.device)  # ConfigError for a GPU that is not there
     problems = rl_problems(cfg)
     problems += checkpoint_problems(cfg, cfg.init) if cfg.init else []
     if problems:

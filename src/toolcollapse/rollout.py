@@ -23,7 +23,9 @@ through a copy per row; the rest of each row is cached per row as before. Exact:
 same episodes as without it (greedy: identical tokens; tested).
 The sampling log-prob of every sampled token is recorded (under the distribution it
 was sampled from: temperature and top-p applied), and `loss_mask` is 1 only there.
-Same seed, same batch -> same rollouts.
+Same seed, same batch -> same rollouts. The model, its cache and the masks stay on the
+model's device; each step's next tokens are drawn on the CPU from one seeded generator,
+so a seed draws the same random stream on a CPU and on a GPU.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from toolcollapse.chat import (ENDOFTEXT, CONTROL_TAGS, PieceEncoder, conversati
 from toolcollapse.attention import cascade, causal_mask
 from toolcollapse.envs.base import Environment, EpisodeState
 from toolcollapse.kvcache import add_rows, append_only_cache, cascade_cache, prefix_kv, take_rows
-from toolcollapse.model import forward
+from toolcollapse.model import device_of, forward, precision
 from toolcollapse.parser import parse_turn_ids
 from toolcollapse.records import CallEnd, Episode, Task, TurnRecord
 from toolcollapse.runtime import progress
@@ -101,6 +103,7 @@ class RolloutEngine:
         self.stop_ids = frozenset(ids[t] for t in stop_tags(call_end))
         self.pad_id = ids[ENDOFTEXT]
         self.id_to_tag = {ids[t]: t for t in CONTROL_TAGS}
+        self.device = device_of(model)  # ids, masks and the cache live there; sampling draws on the CPU
 
     @torch.no_grad()
     def generate(self, tasks: Sequence[Task], params: SamplingParams, group_size: int = 1,
@@ -112,7 +115,7 @@ class RolloutEngine:
         self.model.eval()
         bar = progress(len(tasks) * group_size, "rollout") if show_progress else None
         try:
-            with cascade(self.model) if self.cascade else contextlib.nullcontext():
+            with cascade(self.model) if self.cascade else contextlib.nullcontext(), precision(self.model):
                 episodes: list[Episode] = []
                 for i in range(0, len(tasks), per_batch):
                     batch = self._generate_batch(tasks[i:i + per_batch], params, group_size, generator)
@@ -149,7 +152,7 @@ class RolloutEngine:
             if not keep:
                 break
             if len(keep) < len(rows):
-                index = torch.tensor(keep)
+                index = torch.tensor(keep, device=self.device)
                 cache.batch_select_indices(index)
                 attn, next_pos = attn[index], next_pos[index]
                 rows = [rows[i] for i in keep]
@@ -165,7 +168,7 @@ class RolloutEngine:
         shared = shared_prefix(prompts) if self.cascade else 0
         if shared:
             cache = DynamicCache(config=self.model.config)
-            forward(self.model, torch.tensor([prompts[0][:shared]]), cache=cache, logits_to_keep=1)
+            forward(self.model, torch.tensor([prompts[0][:shared]], device=self.device), cache=cache, logits_to_keep=1)
             cache = cascade_cache(self.model.config, prefix_kv(cache))
         else:
             cache = append_only_cache(self.model.config)
@@ -177,6 +180,7 @@ class RolloutEngine:
             ids[i, width - len(p):] = torch.tensor(p)
             attn[i, width - len(p):] = 1
         pos = shared + (attn.cumsum(dim=1) - 1).clamp(min=0)
+        ids, attn, pos = ids.to(self.device), attn.to(self.device), pos.to(self.device)
         logits = self._forward(ids, attn, pos, cache)
         return cache, logits, attn, shared + attn.sum(dim=1)
 
@@ -185,7 +189,7 @@ class RolloutEngine:
         the shared prefix) and new ones are real. With `cascade` the 4-D mask is built here."""
         mask = attn
         if self.cascade:  # [N, 1, T, L]: real positions, causal among the new ones
-            mask = attn.bool()[:, None, None, :] & causal_mask(ids.shape[1], attn.shape[1])
+            mask = attn.bool()[:, None, None, :] & causal_mask(ids.shape[1], attn.shape[1], ids.device)
         return forward(self.model, ids, mask, pos, cache=cache, logits_to_keep=1).logits[:, -1]
 
     def _decode_turn(self, rows: list[_Row], cache, logits, attn, next_pos, params, generator):
@@ -197,7 +201,7 @@ class RolloutEngine:
             row.turn_ids, row.generating = [], True
         parked = []  # (rows, their cache rows, attn, next positions) set aside this turn
         for _ in range(params.max_new_tokens):
-            tokens, logps = sample_next(logits, params, generator)
+            tokens, logps = sample_next(logits.cpu(), params, generator)  # [N] each, on the CPU
             feed = torch.full((len(rows),), self.pad_id, dtype=torch.long)
             fed = torch.zeros(len(rows), dtype=torch.long)
             for i, row in enumerate(rows):
@@ -212,6 +216,7 @@ class RolloutEngine:
                 feed[i], fed[i] = tok, 1
                 if tok in self.stop_ids or len(ep.tokens) >= params.max_seq_len:
                     row.generating = False
+            feed, fed = feed.to(self.device), fed.to(self.device)
             attn = torch.cat([attn, fed[:, None]], dim=1)
             logits = self._forward(feed[:, None], attn, next_pos[:, None], cache)
             next_pos = next_pos + fed
@@ -219,9 +224,9 @@ class RolloutEngine:
             if not live:
                 break
             if self.compact and len(rows) - len(live) >= max(PARK_MIN, len(rows) // 2):
-                done = torch.tensor([i for i, r in enumerate(rows) if not r.generating])
+                done = torch.tensor([i for i, r in enumerate(rows) if not r.generating], device=self.device)
                 parked.append(([rows[i] for i in done.tolist()], take_rows(cache, done), attn[done], next_pos[done]))
-                index = torch.tensor(live)
+                index = torch.tensor(live, device=self.device)
                 cache.batch_select_indices(index)
                 rows, logits, attn, next_pos = [rows[i] for i in live], logits[index], attn[index], next_pos[index]
         for p_rows, p_cache, p_attn, p_pos in parked:
@@ -279,6 +284,7 @@ class RolloutEngine:
         for i, c in enumerate(chunks):
             ids[i, width - len(c):] = torch.tensor(c)
             new[i, width - len(c):] = 1
+        ids, new = ids.to(self.device), new.to(self.device)
         pos = next_pos[:, None] + (new.cumsum(dim=1) - 1).clamp(min=0)
         attn = torch.cat([attn, new], dim=1)
         return self._forward(ids, attn, pos, cache), attn, next_pos + new.sum(dim=1)

@@ -36,7 +36,7 @@ from toolcollapse.chat import IM_START, PieceEncoder
 from toolcollapse.config import RunConfig, dump_config
 from toolcollapse.envs import make_env
 from toolcollapse.losses import sft_loss
-from toolcollapse.model import build_model, logits_at, n_params, shared_prefix_len
+from toolcollapse.model import build_model, device_of, logits_at, n_params, place, resolve_device, shared_prefix_len
 from toolcollapse.optim import lr_at, make_optimizer, set_lr
 from toolcollapse.records import CallEnd, Task
 from toolcollapse.runtime import append_jsonl, check_new_run_dir, clear_run_dir, progress, seed_everything, set_threads
@@ -106,7 +106,8 @@ def length_grouped_batches(examples: Sequence[Example], batch_size: int, rng: ra
 
 def batch_logits(model: Any, examples: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits [M, V] at the trained positions and their targets [M]; a shared prefix is run once."""
-    ids, select = collate(examples, pad_id)
+    device = device_of(model)
+    ids, select = (t.to(device) for t in collate(examples, pad_id))
     targets = ids[:, 1:][select[:, :-1]]  # [M]
     prefix = shared_prefix_len([x for x, _ in examples])
     return logits_at(model, ids, select, prefix), targets
@@ -138,7 +139,7 @@ def validate(model: Any, examples: Sequence[Example], kinds: Sequence[Sequence[s
     total_nll, hits, counts = 0.0, dict.fromkeys(TOKEN_KINDS, 0), dict.fromkeys(TOKEN_KINDS, 0)
     for i in range(0, len(examples), batch_size):
         logits, targets = batch_logits(model, examples[i:i + batch_size], pad_id)
-        total_nll += torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum").item()
+        total_nll += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
         correct = (logits.argmax(dim=-1) == targets).tolist()
         for ok, kind in zip(correct, [k for ks in kinds[i:i + batch_size] for k in ks]):
             hits[kind] += ok
@@ -210,6 +211,7 @@ def run_sft(cfg: RunConfig, out_dir: str | Path | None = None, overwrite: bool =
     `overwrite` (ConfigError before anything is written)."""
     out = Path(out_dir) if out_dir is not None else Path(cfg.out_dir) / "sft"
     check_new_run_dir(out, overwrite, "sft")
+    device = resolve_device(cfg.device)
     clear_run_dir(out, "sft")
     out.mkdir(parents=True)
     dump_config(cfg, out / CONFIG_FILE)  # first: it marks the directory as this run's (written again at the end)
@@ -219,6 +221,7 @@ def run_sft(cfg: RunConfig, out_dir: str | Path | None = None, overwrite: bool =
 
     env = make_env(cfg)
     model, tokenizer, what = sft_model(cfg, env)
+    model = place(model, device, cfg.model.dtype)
     encoder = PieceEncoder(tokenizer)
     sc = cfg.sft
     call_end = cfg.rollout.call_end  # who writes a call turn's <|im_end|>: trained in `sampled`
@@ -235,7 +238,7 @@ def run_sft(cfg: RunConfig, out_dir: str | Path | None = None, overwrite: bool =
     print(f"sft: {what}, {n_params(model) / 1e6:.2f} M params ({trained / 1e6:.2f} M trained), vocab {len(tokenizer)}, "
           f"{len(train)} conversations (mean {sum(len(x) for x, _ in train) / len(train):.0f} tokens); "
           + "".join(f"{w.steps} steps x {w.batch_size} ({w.content}) + " for w in warmups)
-          + f"{sc.steps} steps x {sc.batch_size}; setup {time.time() - t0:.1f}s")
+          + f"{sc.steps} steps x {sc.batch_size}; on {device} ({cfg.model.dtype}); setup {time.time() - t0:.1f}s")
     rng = random.Random(cfg.seed)
     group = 16 if sc.group_by_length else 1
     phases = []
