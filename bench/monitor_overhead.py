@@ -1,19 +1,20 @@
 """What the control-token monitor adds to an RL step, measured side by side in one process.
 
-Two configurations of the same run (same checkpoint, seed, tasks):
-  off: no probe, no gradient share, no control-token list (so no per-token statistics
-       and no alarm rules on them);
-  on:  the defaults -- probe set of 32 oracle conversations every 2 steps, control-token
-       statistics of the update's forward every step, gradient share every 10 steps,
-       alarm rules on the probe series.
-The monitor only observes: it draws no random numbers, so both runs sample the same
-rollouts and make the same updates (checked: their reward and healthy-rate series must be
-equal). Runs alternate off/on, on/off, ... over `--rounds`; each run's wall time over its
+Three configurations of the same run (same checkpoint, seed, tasks):
+  off:     no probe, no gradient share, no control-token list (so no per-token statistics
+           and no alarm rules on them), no validation;
+  monitor: the monitor's defaults -- probe set of 32 oracle conversations every 2 steps (control
+           tokens and content slots from one forward), control-token statistics of the update's
+           forward every step, gradient share every 10 steps, alarm rules -- without validation;
+  on:      the defaults: the monitor and validation (32 test tasks, greedy, every 10 steps).
+The monitor and validation only observe: they draw no random numbers, so every run samples the
+same rollouts and makes the same updates (checked: their reward and healthy-rate series must be
+equal). Runs rotate their order over `--rounds`; each run's wall time over its
 steps is summed from its metrics (`seconds`: probe + rollout + update, which is where the monitor
 works) and divided by its steps; the wall time of the whole call (loading, building the probe set,
 alarms, logging, the final checkpoint) is reported too. Prints the means and the ratios.
 
-    python bench/monitor_overhead.py --checkpoint runs/tiny/sft --steps 10 --rounds 2
+    python bench/monitor_overhead.py --checkpoint runs/tiny/sft --steps 20 --rounds 2
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from toolcollapse.config import load_config
 from toolcollapse.rl import run_rl
 from toolcollapse.runtime import read_jsonl
 
-OFF = ["monitor.probe_every=0", "monitor.grad_share_every=0", "monitor.control_tokens=[]"]
+OFF = ["monitor.probe_every=0", "monitor.grad_share_every=0", "monitor.control_tokens=[]", "grpo.eval_every=0"]
+SIDES = {"off": OFF, "monitor": ["grpo.eval_every=0"], "on": []}
 
 
 def one_run(checkpoint: str, steps: int, threads: int, extra: list[str]) -> tuple[float, float, list[tuple]]:
@@ -47,27 +49,30 @@ def one_run(checkpoint: str, steps: int, threads: int, extra: list[str]) -> tupl
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default="runs/tiny/sft")
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    times: dict[str, list[float]] = {"off": [], "on": []}
-    walls: dict[str, list[float]] = {"off": [], "on": []}
+    names = list(SIDES)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    walls: dict[str, list[float]] = {n: [] for n in names}
     trajectories = {}
     t0 = time.time()
     for k in range(args.rounds):
-        for name in (("off", "on") if k % 2 == 0 else ("on", "off")):
-            per_step, wall, traj = one_run(args.checkpoint, args.steps, args.threads, OFF if name == "off" else [])
+        for name in names[k % len(names):] + names[:k % len(names)]:
+            per_step, wall, traj = one_run(args.checkpoint, args.steps, args.threads, SIDES[name])
             times[name].append(per_step)
             walls[name].append(wall)
             trajectories.setdefault(name, traj)
             print(f"round {k} {name}: {per_step:.2f} s/step, whole run {wall:.1f} s", flush=True)
-    assert trajectories["off"] == trajectories["on"], "the monitor changed the rollouts: it must only observe"
-    off, on = statistics.mean(times["off"]), statistics.mean(times["on"])
-    w_off, w_on = statistics.mean(walls["off"]), statistics.mean(walls["on"])
-    print(f"monitor off: {off:.2f} s/step, on: {on:.2f} s/step, overhead {100 * (on / off - 1):+.1f} %; "
-          f"whole runs {w_off:.1f} s vs {w_on:.1f} s, {100 * (w_on / w_off - 1):+.1f} % "
-          f"({args.rounds} rounds x {args.steps} steps each, {args.threads} threads, {time.time() - t0:.0f} s)")
+    assert all(t == trajectories["off"] for t in trajectories.values()), \
+        "the monitor or validation changed the rollouts: they must only observe"
+    off, w_off = statistics.mean(times["off"]), statistics.mean(walls["off"])
+    for name in names[1:]:
+        on, w_on = statistics.mean(times[name]), statistics.mean(walls[name])
+        print(f"{name} vs off: {off:.2f} -> {on:.2f} s/step, overhead {100 * (on / off - 1):+.1f} %; "
+              f"whole runs {w_off:.1f} s vs {w_on:.1f} s, {100 * (w_on / w_off - 1):+.1f} %")
+    print(f"({args.rounds} rounds x {args.steps} steps each, {args.threads} threads, {time.time() - t0:.0f} s)")
 
 
 if __name__ == "__main__":

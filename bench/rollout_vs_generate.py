@@ -88,7 +88,8 @@ def main() -> None:
     for name, new in (("toolcollapse engine", True), ("engine before issue 14", False)):
         t0 = time.perf_counter()
         episodes = RolloutEngine(model, tokenizer, env, cascade=new, compact=new).generate(tasks, params)
-        sides[name] = (sum(sum(ep.loss_mask) for ep in episodes), time.perf_counter() - t0, [e.tokens for e in episodes])
+        sampled = sum(sum(ep.loss_mask) for ep in episodes)
+        sides[name] = (sampled, time.perf_counter() - t0, [e.tokens for e in episodes])
     t0 = time.perf_counter()
     base_tokens = generate_per_turn(model, tokenizer, env, tasks, params)
     sides["generate() per turn"] = (base_tokens, time.perf_counter() - t0, None)

@@ -10,8 +10,12 @@ Both detectors learn a series' normal level from its first `warmup` observations
 never fire before that; the warm-up is the price of not knowing the level in advance.
 `min_scale` floors the noise scale: the probe's series are deterministic functions of the
 policy (fixed inputs), flat until the policy moves, so without a floor a change of 1e-6
-would be infinitely significant. With the defaults (threshold 8, floor 0.005) a probe
-probability must move by 0.04 to fire.
+would be infinitely significant. Control-token probabilities move over orders of magnitude,
+so by default the detectors watch their log-odds (`monitor.alarm_scale`): with threshold 8
+and a floor of 0.25 a series must move by 2 in log-odds (x7.4 in odds), and may fire only
+once the probability reaches `monitor.alarm_floor` (1e-3). On the absolute scale (floor
+0.005) a probability must move by 0.04. Content series (log-probs, falling) have their own
+floor in nats (`monitor.content_min_scale`).
 
 **Collapse** (`find_collapse`, the one definition `diagnose`, `sweep` and the tables use):
 the first step from which the healthy-turn rate stays below half its initial value (the
@@ -118,7 +122,9 @@ def first_alarm(fires: Sequence[bool], steps: Sequence[int] | None = None) -> in
 
 @dataclass(frozen=True)
 class Rule:
-    """One detector on one metric series. threshold None: the detector's default."""
+    """One detector on one metric series. threshold None: the detector's default.
+    scale `logodds`: the detector sees log(p / (1 - p)) of the series (a probability), and the
+    rule fires only where p >= floor as well."""
 
     series: str
     detector: str = "robust_z"
@@ -126,11 +132,24 @@ class Rule:
     warmup: int = 3  # observations of the series (a probe series has one every monitor.probe_every steps)
     min_scale: float = 0.005
     threshold: float | None = None
+    scale: str = "absolute"
+    floor: float = 0.0
+
+    def observe(self, x: float) -> float:
+        """The value the detector sees."""
+        if self.scale == "absolute":
+            return x
+        p = min(max(x, 1e-12), 1 - 1e-12)
+        return math.log(p / (1 - p))
+
+    def may_fire(self, x: float) -> bool:
+        return self.scale == "absolute" or x >= self.floor
 
     @property
     def name(self) -> str:
         arrow = {1: "up", -1: "down", 0: "both"}[self.direction]
-        return f"{self.detector}({self.series}, {arrow})"
+        scale = "" if self.scale == "absolute" else f", log-odds >= {self.floor:g}"
+        return f"{self.detector}({self.series}, {arrow}{scale})"
 
     def make(self) -> RobustZ | Cusum:
         kwargs: dict[str, Any] = dict(warmup=self.warmup, min_scale=self.min_scale, direction=self.direction)
@@ -167,7 +186,7 @@ class Watcher:
             x = metrics.get(rule.series)
             if not isinstance(x, (int, float)) or not math.isfinite(x):
                 continue
-            if det.update(float(x)) and i not in self._fired:
+            if det.update(rule.observe(float(x))) and rule.may_fire(float(x)) and i not in self._fired:
                 self._fired.add(i)
                 new.append(Alarm(step, rule, float(x)))
         self.alarms.extend(new)
@@ -225,6 +244,16 @@ def find_collapse(rows: Sequence[Mapping[str, Any]], hold: int) -> Collapse:
     return Collapse(at(collapse_step(healthy, hold)), at(first_step_below(healthy, COLLAPSE_FLOOR, hold)))
 
 
+def skill_collapse_step(rows: Sequence[Mapping[str, Any]], fraction: float = 0.5) -> int | None:
+    """The first step whose validation success (`val/success`, rl's grpo.eval_every) is at most
+    `fraction` of the first validation's: the skill collapse, which the format may not show.
+    None when it never is, or the run has no validation."""
+    vals = [(int(r["step"]), r["val/success"]) for r in rows if "val/success" in r]
+    if not vals or vals[0][1] <= 0:
+        return None
+    return next((step for step, v in vals if v <= fraction * vals[0][1]), None)
+
+
 # ----------------------------------------------------------------------------- the default rules
 
 # (miss_after_call exists only with rollout.call_end: sampled; a series a run never logs never fires)
@@ -237,8 +266,25 @@ def control_series(control_tokens: Sequence[str]) -> list[str]:
     return [*REQUIRED_SERIES, *(f"probe/{SHORT.get(t, t)}/p_forbidden_max" for t in control_tokens)]
 
 
-def control_rules(m: MonitorConfig, detector: str | None = None) -> list[Rule]:
-    """The run's alarm rules: one detector, rising, on each of `m.alarm_series` (default: control_series)."""
+CONTENT_SERIES = tuple(f"probe/content/{c}/logp" for c in ("tool_name", "arg_copied", "arg_computed", "answer"))
+
+
+def control_rules(m: MonitorConfig, detector: str | None = None, scale: str | None = None) -> list[Rule]:
+    """One detector, rising, on each of `m.alarm_series` (default: control_series), on the
+    probabilities or their log-odds (`m.alarm_scale`)."""
     series = m.alarm_series or control_series(m.control_tokens)
-    return [Rule(s, detector or m.alarm_detector, 1, m.alarm_warmup, m.alarm_min_scale, m.alarm_threshold)
-            for s in series]
+    scale = scale or m.alarm_scale
+    min_scale = m.alarm_min_scale if scale == "absolute" else m.alarm_logodds_min_scale
+    return [Rule(s, detector or m.alarm_detector, 1, m.alarm_warmup, min_scale, m.alarm_threshold, scale,
+                 m.alarm_floor) for s in series]
+
+
+def content_rules(m: MonitorConfig, detector: str | None = None) -> list[Rule]:
+    """One detector, falling, on the probe's ground-truth log-prob of each content slot (the skill)."""
+    return [Rule(s, detector or m.alarm_detector, -1, m.alarm_warmup, m.content_min_scale, m.alarm_threshold)
+            for s in CONTENT_SERIES]
+
+
+def run_rules(m: MonitorConfig) -> list[Rule]:
+    """Every alarm rule of a run: the control tokens, and the content slots unless switched off."""
+    return control_rules(m) + (content_rules(m) if m.content_alarms else [])

@@ -252,6 +252,10 @@ class GRPOConfig(Checked):
     checkpoint_every: Count = 10
     keep_checkpoints: Count = 2
     samples_per_step: NonNegInt = 2  # decoded rollouts written to samples.jsonl per step
+    # Validation during RL: the first eval_n tasks of eval.split, greedy under the eval limits (the rollout
+    # section's), every eval_every steps before the update (step 0: the start); val/success, val/healthy_rate
+    eval_every: NonNegInt = 10  # 0: off
+    eval_n: Count = 32
 
 
 @dataclass(frozen=True)
@@ -272,7 +276,17 @@ class MonitorConfig(Checked):
     alarm_detector: Literal["robust_z", "cusum"] = "robust_z"
     alarm_warmup: Count = 1  # the probe is deterministic: its step-0 value is the reference
     alarm_threshold: Positive | None = None  # None: the detector's default (robust z 8, CUSUM 10)
-    alarm_min_scale: Positive = 0.005  # floor of the noise scale, in the series' units (probabilities)
+    # absolute: detectors see the probabilities; logodds: log(p / (1 - p)), where a move from 1e-4 to 1e-3
+    # counts as much as one from 0.1 to 0.5, and no alarm fires while p stays below alarm_floor
+    # (docs/LOG.md 2026-12-03: log-odds led collapse earlier, with fewer false alarms, on 23 runs)
+    alarm_scale: Literal["absolute", "logodds"] = "logodds"
+    alarm_floor: Fraction = 1e-3  # logodds: the probability a series must reach before it can fire
+    alarm_min_scale: Positive = 0.005  # floor of the noise scale on the absolute scale (probabilities)
+    alarm_logodds_min_scale: Positive = 0.25  # ... on the log-odds scale
+    # The skill (monitor.py, content): alarms on the probe's ground-truth log-prob of tool names, argument
+    # values and answers, falling; their noise floor in nats
+    content_alarms: bool = True
+    content_min_scale: Positive = 0.01
     on_alarm: Literal["log", "checkpoint", "stop"] = "log"  # stop: checkpoint, then end the run
     collapse_hold: Count = 3  # collapse: healthy rate below half its step-0 value for this many steps
 

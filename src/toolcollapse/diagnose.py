@@ -22,7 +22,8 @@ from pathlib import Path
 from statistics import median
 from typing import Any, Mapping, Sequence
 
-from toolcollapse.alarms import COLLAPSE_FLOOR, Alarm, Rule, control_rules, control_series, find_collapse, replay
+from toolcollapse.alarms import (COLLAPSE_FLOOR, CONTENT_SERIES, Alarm, Rule, content_rules, control_rules, control_series,
+                                 find_collapse, replay, run_rules, skill_collapse_step)
 from toolcollapse.config import MonitorConfig, RunConfig
 
 # Series any trainer logs, watched for a change in either direction (the healthy rate: for a fall).
@@ -93,15 +94,17 @@ def read_run(run_dir: Path) -> tuple[RunConfig, list[dict[str, Any]]]:
 def diagnose_run(run_dir: Path, out_dir: Path | None = None, figures: bool = True) -> RunDiagnosis:
     cfg, rows = read_run(run_dir)
     m = cfg.monitor
-    d = diagnose_rows(rows, control_rules(m), baseline_rules(m.alarm_detector, BASELINE_WARMUP),
+    d = diagnose_rows(rows, run_rules(m), baseline_rules(m.alarm_detector, BASELINE_WARMUP),
                       m.collapse_hold, run=str(run_dir))
     out_dir = Path(out_dir) if out_dir else Path(run_dir) / "diagnose"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "summary.json").write_text(json.dumps(d.to_json(), indent=2))
     if figures:
-        from toolcollapse.figures import plot_control_tokens, plot_errors, plot_states
+        from toolcollapse.figures import plot_content, plot_control_tokens, plot_errors, plot_states
 
         plot_control_tokens(rows, control_series(m.control_tokens), d, out_dir / "control_tokens.png")
+        if any(CONTENT_SERIES[0] in r for r in rows):
+            plot_content(rows, d, out_dir / "content.png")
         plot_states(rows, d, out_dir / "states.png")
         plot_errors(rows, d, out_dir / "errors.png")
     return d
@@ -128,20 +131,30 @@ def detector_panel(m: MonitorConfig, baseline_warmup: int) -> dict[str, list[Rul
     the run config's warm-up; the noisy baseline series need a longer one to learn their spread."""
     panel: dict[str, list[Rule]] = {}
     for det in ("robust_z", "cusum"):
-        rules = control_rules(m, det)
-        panel[f"{det} control tokens (any of {len(rules)})"] = rules
-        for r in rules:
+        for scale in ("absolute", "logodds"):
+            rules = control_rules(m, det, scale)
+            panel[f"{det} control tokens, {scale} (any of {len(rules)})"] = rules
+        for r in control_rules(m, det):
             panel[f"{det} {r.series}"] = [r]
+        rules = content_rules(m, det)
+        panel[f"{det} content (any of {len(rules)})"] = rules
+        for r in rules:
+            panel[f"{det} {r.series} (down)"] = [r]
         for r in baseline_rules(det, baseline_warmup):
             panel[f"{det} {r.series} ({'down' if r.direction < 0 else 'both'}) [baseline]"] = [r]
     return panel
 
 
 def lead_table(runs: Sequence[tuple[str, Sequence[Mapping[str, Any]]]], panel: Mapping[str, Sequence[Rule]],
-               hold: int) -> list[dict[str, Any]]:
-    """For each panel row: alarms before collapse and their lead on collapsing runs; false alarms on the rest."""
+               hold: int, event: str = "format") -> list[dict[str, Any]]:
+    """For each panel row: alarms before the event and their lead on the runs that had it; false alarms
+    on the rest. event `format`: the collapse (healthy-turn rate); `skill`: validation success at half
+    its start or below (`skill_collapse_step`)."""
     judged = []
     for name, rows in runs:
+        if event == "skill":
+            judged.append((name, rows, skill_collapse_step(rows), None))
+            continue
         collapse = find_collapse(rows, hold)
         judged.append((name, rows, collapse.step, collapse.floor_step))
     out = []
@@ -199,10 +212,14 @@ def format_sweep(specs: Sequence[Any], baseline_warmup: int) -> str:
     if not runs:
         return "\n".join(lines + ["no run has metrics yet"])
     m = specs[0].cfg.monitor
-    table = lead_table(runs, detector_panel(m, baseline_warmup), m.collapse_hold)
+    panel = detector_panel(m, baseline_warmup)
+    table = lead_table(runs, panel, m.collapse_hold)
     lines += ["", f"collapse: healthy-turn rate below half its step-0 value for {m.collapse_hold} steps; "
                   f"control-token detectors warm up on {m.alarm_warmup} probe observation(s), "
                   f"baselines on {baseline_warmup}", format_lead_table(table)]
+    if any("val/success" in r for _, rows in runs for r in rows):
+        lines += ["", "skill collapse: validation success (val/success) at half its first value or below",
+                  format_lead_table(lead_table(runs, panel, m.collapse_hold, event="skill"))]
     return "\n".join(lines)
 
 

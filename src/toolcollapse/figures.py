@@ -86,3 +86,27 @@ def plot_errors(rows: Sequence[Mapping[str, Any]], diagnosis: Any, path: Path) -
     ax.set_ylabel("errors per assistant turn")
     _mark(ax, diagnosis)
     return _save(fig, ax, "error types", path)
+
+
+def plot_content(rows: Sequence[Mapping[str, Any]], diagnosis: Any, path: Path) -> Path:
+    """The skill beside the format: the probe's ground-truth log-prob per content slot (left axis) and,
+    where the run validated, greedy validation success and the healthy-turn rate (right axis)."""
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for key in ("tool_name", "arg_copied", "arg_computed", "answer"):
+        steps, values = _series(rows, f"probe/content/{key}/logp")
+        if steps:
+            ax.plot(steps, values, label=f"log p(truth): {key}", linewidth=1.2)
+    ax.set_ylabel("mean log-prob of the ground truth (nats)")
+    right = ax.twinx()
+    for key, style in (("val/success", "-"), ("val/healthy_rate", ":"), ("healthy_rate", "--")):
+        steps, values = _series(rows, key)
+        if steps:
+            right.plot(steps, values, style, color="black", linewidth=1.0, marker="o" if key.startswith("val")
+                       else None, markersize=3, label=key)
+    right.set_ylim(0, 1.05)
+    right.set_ylabel("rate")
+    handles, labels = right.get_legend_handles_labels()
+    for h, label in zip(handles, labels):
+        ax.plot([], [], linestyle=h.get_linestyle(), color="black", label=label)
+    _mark(ax, diagnosis)
+    return _save(fig, ax, "content on the probe set, validation and format", path)

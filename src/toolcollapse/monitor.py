@@ -28,11 +28,19 @@ spike, so it has its own series.
 
 The **probe set** is a fixed batch of oracle conversations teacher-forced through the
 policy: its inputs never change, so its statistics move only when the policy does.
+
+The same forward also watches the skill (`content_stats`): every trained token of an
+oracle turn carries a `Content` label -- the tool's name, an argument value copied from
+the question or a tool result, any other argument value, the answer text -- and per
+label the probe reports the ground truth's mean log-prob (`probe/content/<c>/logp`) and
+how often it is the greedy choice (`.../acc`). A policy can keep every control token in
+place while it forgets which entity to look up (docs/LOG.md, "the silent collapse").
 """
 
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -139,6 +147,107 @@ def resolve_token_ids(tokenizer: Any, names: Sequence[str]) -> dict[str, int]:
     return ids
 
 
+# ----------------------------------------------------------------------------- content: the skill, not the format
+
+
+class Content(enum.IntEnum):
+    """What a trained target token of an oracle turn carries besides the format."""
+
+    TOOL_NAME = 0  # the called tool's name
+    ARG_COPIED = 1  # an argument value written verbatim earlier in the conversation (an entity, a number)
+    ARG_COMPUTED = 2  # any other argument value (a chosen attribute, unit, function; a derived number)
+    ANSWER = 3  # the final answer's text
+
+
+NO_CONTENT = -1  # structure: tags, JSON punctuation and keys, the <|im_end|>
+CONTENT_NAMES = {c: c.name.lower() for c in Content}
+
+
+def content_labels(encoder: Any, messages: Sequence[Any], call_end: str = "template") -> list[int]:
+    """The Content of every trained target of one oracle conversation (NO_CONTENT where none), in the
+    order of `slots`. A value counts as copied when its text occurs in what the model was given before
+    the turn: the user's questions and the tool results (not the system prompt, not its own calls)."""
+    from toolcollapse.chat import assistant_body
+
+    out: list[int] = []
+    context = ""
+    for message in messages:
+        if message.role != "assistant":
+            context += "" if message.role == "system" else message.content + "\n"
+            continue
+        call_text = "\n" + message.tool_call.to_json() + "\n" if message.tool_call is not None else None
+        for piece in assistant_body(message, call_end):
+            ids, mask = encoder.encode([piece])
+            if not any(mask):
+                continue
+            spans: list[tuple[int, int, int]] = []
+            if piece.special:
+                pass
+            elif piece.text == call_text:
+                spans = _call_spans(message.tool_call, piece.text, context)
+            elif message.tool_call is None:
+                spans = [(0, len(piece.text), Content.ANSWER)]
+            out += _label_tokens(encoder.tokenizer, ids, piece.text, spans)
+    return out
+
+
+def _call_spans(call: Any, text: str, context: str) -> list[tuple[int, int, int]]:
+    """(start, end, Content) character spans of a call's name and leaf argument values in its JSON text."""
+    at = text.index('"name": ') + len('"name": ')
+    name = json.dumps(call.name, ensure_ascii=False)
+    spans = [(at + 1, at + len(name) - 1, int(Content.TOOL_NAME))]
+    _value_spans(call.arguments, text, text.index('"arguments": ', at) + len('"arguments": '), context, spans)
+    return spans
+
+
+def _value_spans(value: Any, text: str, at: int, context: str, out: list[tuple[int, int, int]]) -> int:
+    """Append the spans of `value`'s leaves, serialized in `text` from `at`; returns where it ends."""
+    if isinstance(value, dict):
+        for key, v in value.items():
+            k = json.dumps(key, ensure_ascii=False) + ": "
+            at = _value_spans(v, text, text.index(k, at) + len(k), context, out)
+        return at
+    if isinstance(value, list):
+        for v in value:
+            at = _value_spans(v, text, at, context, out)
+        return at
+    serial = json.dumps(value, ensure_ascii=False)
+    start = text.index(serial, at)
+    lo, hi = (start + 1, start + len(serial) - 1) if isinstance(value, str) else (start, start + len(serial))
+    copied = hi > lo and text[lo:hi] in context
+    out.append((lo, hi, int(Content.ARG_COPIED if copied else Content.ARG_COMPUTED)))
+    return start + len(serial)
+
+
+def _label_tokens(tokenizer: Any, ids: Sequence[int], text: str, spans: Sequence[tuple[int, int, int]]) -> list[int]:
+    """The label of each token of `text` (encoded as `ids`): the first span it overlaps, else NO_CONTENT.
+    A tokenization whose pieces do not decode back to `text` character by character gets no labels."""
+    if not spans:
+        return [NO_CONTENT] * len(ids)
+    ends = [len(tokenizer.decode(ids[:k + 1], clean_up_tokenization_spaces=False)) for k in range(len(ids))]
+    if not ends or ends[-1] != len(text):
+        return [NO_CONTENT] * len(ids)
+    labels = []
+    for start, end in zip([0, *ends[:-1]], ends):
+        labels.append(next((c for lo, hi, c in spans if start < hi and end > lo), NO_CONTENT))
+    return labels
+
+
+def content_stats(logp: torch.Tensor, targets: torch.Tensor, content_of: torch.Tensor,
+                  prefix: str = "probe/content") -> dict[str, float]:
+    """Per Content slot: the mean log-prob of the ground-truth token (`logp`) and how often it is the
+    greedy choice (`acc`). logp: [M, V]; targets, content_of: [M]. A slot with no positions is absent."""
+    truth = logp.gather(1, targets[:, None]).squeeze(1)
+    greedy = logp.argmax(dim=-1) == targets
+    out = {}
+    for c in Content:
+        here = content_of == c
+        if here.any():
+            out[f"{prefix}/{CONTENT_NAMES[c]}/logp"] = truth[here].mean().item()
+            out[f"{prefix}/{CONTENT_NAMES[c]}/acc"] = greedy[here].float().mean().item()
+    return out
+
+
 # ----------------------------------------------------------------------------- the probe set
 
 
@@ -153,22 +262,34 @@ class ProbeSet:
     select: torch.Tensor  # [B, T] bool: positions whose next token is a trained target
     slot_of: torch.Tensor  # [M] Slot of each selected position, row-major
     prefix_len: int  # shared prefix (the system prompt) run once
+    targets: torch.Tensor  # [M] the oracle's next token there
+    content_of: torch.Tensor  # [M] Content of that token (NO_CONTENT for structure)
 
 
-def build_probe(examples: Sequence[tuple[list[int], list[int]]], pad_id: int, token_ids: Mapping[str, int]) -> ProbeSet:
-    """The probe set, its rows sorted by length (`run_probe` runs them in chunks of similar length)."""
+def build_probe(examples: Sequence[tuple[list[int], list[int]]], pad_id: int, token_ids: Mapping[str, int],
+                content: Sequence[Sequence[int]] | None = None) -> ProbeSet:
+    """The probe set, its rows sorted by length (`run_probe` runs them in chunks of similar length).
+    `content`: each example's `content_labels` (None: no content statistics)."""
     from toolcollapse.sft import collate
 
-    examples = sorted(examples, key=lambda e: len(e[0]))
+    if content is None:
+        content = [[NO_CONTENT] * sum(m[1:]) for _, m in examples]
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i][0]))
+    examples, content = [examples[i] for i in order], [content[i] for i in order]
     ids, select = collate(examples, pad_id)
     slot_of = [s for x, m in examples
                for s in slots(x, m, token_ids[TOOL_CALL], token_ids[TOOL_CALL_END], token_ids[IM_END])]
-    return ProbeSet(ids, select, torch.tensor(slot_of, dtype=torch.long), shared_prefix_len([x for x, _ in examples]))
+    targets = ids[:, 1:][select[:, :-1]]
+    content_of = torch.tensor([c for labels in content for c in labels], dtype=torch.long)
+    if content_of.shape != targets.shape:
+        raise ValueError(f"content labels for {len(content_of)} trained tokens, the probe set has {len(targets)}")
+    return ProbeSet(ids, select, torch.tensor(slot_of, dtype=torch.long), shared_prefix_len([x for x, _ in examples]),
+                    targets, content_of)
 
 
 @torch.no_grad()
 def run_probe(model: Any, probe: ProbeSet, token_ids: Mapping[str, int], temperature: float = 1.0) -> dict[str, float]:
-    """Control-token statistics of the probe set under the sampling distribution (logits / temperature)."""
+    """Control-token and content statistics of the probe set under the sampling distribution (logits / temperature)."""
     was_training = model.training
     model.eval()
     parts = []
@@ -180,7 +301,7 @@ def run_probe(model: Any, probe: ProbeSet, token_ids: Mapping[str, int], tempera
                                select[:, :width].to(device), probe.prefix_len).cpu())
     logp = torch.log_softmax(torch.cat(parts) / temperature, dim=-1)
     model.train(was_training)
-    return control_token_stats(logp, probe.slot_of, token_ids)
+    return {**control_token_stats(logp, probe.slot_of, token_ids), **content_stats(logp, probe.targets, probe.content_of)}
 
 
 # ----------------------------------------------------------------------------- statistics of the training forward

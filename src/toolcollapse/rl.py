@@ -49,7 +49,7 @@ import torch
 from tqdm.auto import tqdm
 
 from toolcollapse.advantages import group_advantages
-from toolcollapse.alarms import Alarm, Watcher, control_rules
+from toolcollapse.alarms import Alarm, Watcher, run_rules
 from toolcollapse.chat import CONTROL_TAGS, PieceEncoder
 from toolcollapse.checkpoint import complete_checkpoints, load_trainer_state, save_checkpoint
 from toolcollapse.config import (ConfigError, RunConfig, checkpoint_problems, dump_config, first_difference, load_config,
@@ -59,8 +59,8 @@ from toolcollapse.evaluate import sampling_params
 from toolcollapse.losses import aggregate, kl_k3, ppo_clip_loss
 from toolcollapse.model import device_of, load_model, load_tokenizer, logits_at, place, resolve_device, shared_prefix_len
 from toolcollapse.sources import add_control_tokens, apply_lora, ready_for_chatml, token_ids
-from toolcollapse.monitor import (ProbeSet, build_probe, control_gradient_share, resolve_token_ids, run_probe,
-                                  sampled_control_stats)
+from toolcollapse.monitor import (ProbeSet, build_probe, content_labels, control_gradient_share, resolve_token_ids,
+                                  run_probe, sampled_control_stats)
 from toolcollapse.optim import lr_at, make_optimizer, set_lr
 from toolcollapse.records import Episode, ErrorType, PolicyBatch, Task, TurnState
 from toolcollapse.rewards import rewards_tensor
@@ -307,7 +307,7 @@ def _raise(alarms: list[Alarm], ctx: AlarmContext, handle: AlarmHandler) -> bool
 
 def _watcher(cfg: RunConfig, run_dir: Path) -> Watcher:
     """The run's alarm rules, fed the metrics of the steps already taken (a resumed run does not re-alarm)."""
-    watcher = Watcher(control_rules(cfg.monitor))
+    watcher = Watcher(run_rules(cfg.monitor))
     path = run_dir / "metrics.jsonl"
     for row in read_jsonl(path) if path.is_file() else []:
         watcher.update(row["step"], row)
@@ -363,10 +363,12 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
     env = make_env(cfg)
     order = task_order(env.tasks(g.split), cfg.seed)
     probe, probe_tokens = _probe(cfg, env, tokenizer)
+    val_tasks = env.tasks(cfg.eval.split, g.eval_n) if g.eval_every else []
     engine = RolloutEngine(model, tokenizer, env, cfg.rollout.call_end, cfg.rollout.shared_prefix_attention,
                            cfg.rollout.compact_finished_rows)
     params = sampling_params(cfg, greedy=False)
     bar = progress(g.steps, "rl", initial=start)
+    last_val = "-"  # the last validation's success (and its cost), for the progress line
     m = cfg.monitor
     model.train()
     for step in range(start, g.steps):
@@ -374,6 +376,11 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
         probe_stats = {}  # measured before this step's update: step 0 is the initial policy
         if probe is not None and step % m.probe_every == 0:
             probe_stats = run_probe(model, probe, probe_tokens, cfg.rollout.temperature)
+        t_val = time.time()
+        if val_tasks and step % g.eval_every == 0:
+            probe_stats.update(validate(engine, val_tasks, cfg))
+            probe_stats["seconds_val"] = time.time() - t_val
+            last_val = f"{probe_stats['val/success']:.2f} ({probe_stats['seconds_val']:.0f}s)"
         t0 = time.time()
         tasks = tasks_for_step(order, step, g.prompts_per_step)
         episodes = engine.generate(tasks, params, group_size=g.group_size, seed=cfg.seed * 1_000_003 + step)
@@ -385,7 +392,7 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
         update_stats = policy_step(model, ref_model, optimizer, episodes, rewards, g, tokenizer.pad_token_id,
                                    probe_tokens, share_rows, cfg.rollout.temperature)
         metrics = {"step": step, "lr": lr, **probe_stats, **update_stats, **rollout_stats(episodes),
-                   "seconds": time.time() - t_probe, "seconds_probe": t0 - t_probe,
+                   "seconds": time.time() - t_probe, "seconds_probe": t_val - t_probe,
                    "seconds_rollout": t_rollout - t0, "seconds_update": time.time() - t_rollout}
         alarms = watcher.update(step, metrics)
         metrics["alarms_total"] = len(watcher.alarms)
@@ -393,7 +400,7 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", healthy=f"{metrics['healthy_rate']:.2f}",
                         informative=f"{metrics['frac_groups_informative']:.2f}", alarms=len(watcher.alarms),
-                        refresh=False)
+                        **({"val": last_val} if val_tasks else {}), refresh=False)
         save = lambda: save_checkpoint(run_dir, step + 1, model, tokenizer, optimizer,  # noqa: E731
                                        lambda p: dump_config(cfg, p / "toolcollapse.yaml"), g.keep_checkpoints)
         if alarms and _raise(alarms, AlarmContext(step, run_dir, model, optimizer, save), handle):
@@ -403,6 +410,12 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
     bar.close()
     writer.close()
     return run_dir
+
+
+def validate(engine: RolloutEngine, tasks: Sequence[Task], cfg: RunConfig) -> dict[str, float]:
+    """Greedy success and healthy-turn rate of the policy on fixed tasks, under the eval limits."""
+    stats = rollout_stats(engine.generate(tasks, sampling_params(cfg, greedy=True), seed=cfg.seed))
+    return {"val/success": stats["success"], "val/healthy_rate": stats["healthy_rate"]}
 
 
 def _control_stats(collected: list, token_ids: dict[str, int]) -> dict[str, float]:
@@ -418,8 +431,10 @@ def _probe(cfg: RunConfig, env: Any, tokenizer: Any) -> tuple[ProbeSet | None, d
     if m.probe_every <= 0 or m.probe_size <= 0:
         return None, token_ids
     tasks = env.tasks(cfg.grpo.split)[:m.probe_size]
-    examples = encode_tasks(PieceEncoder(tokenizer), tasks, cfg.rollout.call_end)
-    return build_probe(examples, tokenizer.pad_token_id, resolve_token_ids(tokenizer, CONTROL_TAGS)), token_ids
+    encoder = PieceEncoder(tokenizer)
+    examples = encode_tasks(encoder, tasks, cfg.rollout.call_end)
+    content = [content_labels(encoder, [*t.prompt, *t.reference], cfg.rollout.call_end) for t in tasks]
+    return build_probe(examples, tokenizer.pad_token_id, resolve_token_ids(tokenizer, CONTROL_TAGS), content), token_ids
 
 
 def check_run_start(cfg: RunConfig, run_dir: Path, resume: bool, overwrite: bool) -> None:
