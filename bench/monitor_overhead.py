@@ -6,7 +6,7 @@ Three configurations of the same run (same checkpoint, seed, tasks):
   monitor: the monitor's defaults -- probe set of 32 oracle conversations every 2 steps (control
            tokens and content slots from one forward), control-token statistics of the update's
            forward every step, gradient share every 10 steps, alarm rules -- without validation;
-  on:      the defaults: the monitor and validation (32 test tasks, greedy, every 10 steps).
+  on:      the defaults: the monitor and validation (32 test tasks, greedy, every grpo.eval_every steps).
 The monitor and validation only observe: they draw no random numbers, so every run samples the
 same rollouts and makes the same updates (checked: their reward and healthy-rate series must be
 equal). Runs rotate their order over `--rounds`; each run's wall time over its
@@ -33,8 +33,9 @@ OFF = ["monitor.probe_every=0", "monitor.grad_share_every=0", "monitor.control_t
 SIDES = {"off": OFF, "monitor": ["grpo.eval_every=0"], "on": []}
 
 
-def one_run(checkpoint: str, steps: int, threads: int, extra: list[str]) -> tuple[float, float, list[tuple]]:
-    """(seconds per step inside the loop, wall seconds of the whole run_rl call, (reward, healthy) per step)"""
+def one_run(checkpoint: str, steps: int, threads: int,
+            extra: list[str]) -> tuple[float, float, list[tuple], list[dict]]:
+    """(seconds per step inside the loop, wall seconds of the whole run_rl call, (reward, healthy) per step, rows)"""
     overrides = [f"init={checkpoint}", f"threads={threads}", f"grpo.steps={steps}", "grpo.prompts_per_step=4",
                  "grpo.checkpoint_every=1000", "grpo.lr=1.0e-5", *extra]
     cfg = load_config(Path(checkpoint) / "toolcollapse.yaml", overrides)
@@ -43,7 +44,7 @@ def one_run(checkpoint: str, steps: int, threads: int, extra: list[str]) -> tupl
         run_rl(cfg, Path(tmp) / "rl")
         wall = time.time() - t0
         rows = read_jsonl(Path(tmp) / "rl" / "metrics.jsonl")
-    return sum(r["seconds"] for r in rows) / steps, wall, [(r["reward_mean"], r["healthy_rate"]) for r in rows]
+    return sum(r["seconds"] for r in rows) / steps, wall, [(r["reward_mean"], r["healthy_rate"]) for r in rows], rows
 
 
 def main() -> None:
@@ -57,10 +58,14 @@ def main() -> None:
     times: dict[str, list[float]] = {n: [] for n in names}
     walls: dict[str, list[float]] = {n: [] for n in names}
     trajectories = {}
+    parts: dict[str, list[float]] = {"seconds_probe": [], "seconds_val": [], "seconds": []}
     t0 = time.time()
     for k in range(args.rounds):
         for name in names[k % len(names):] + names[:k % len(names)]:
-            per_step, wall, traj = one_run(args.checkpoint, args.steps, args.threads, SIDES[name])
+            per_step, wall, traj, rows = one_run(args.checkpoint, args.steps, args.threads, SIDES[name])
+            if name == "on":  # where the time of the monitor's probe and of validation goes, inside one run
+                for key in parts:
+                    parts[key].append(sum(r.get(key, 0.0) for r in rows))
             times[name].append(per_step)
             walls[name].append(wall)
             trajectories.setdefault(name, traj)
@@ -72,6 +77,10 @@ def main() -> None:
         on, w_on = statistics.mean(times[name]), statistics.mean(walls[name])
         print(f"{name} vs off: {off:.2f} -> {on:.2f} s/step, overhead {100 * (on / off - 1):+.1f} %; "
               f"whole runs {w_off:.1f} s vs {w_on:.1f} s, {100 * (w_on / w_off - 1):+.1f} %")
+    total = sum(parts["seconds"])
+    probe = 100 * sum(parts["seconds_probe"]) / total
+    print(f"inside the `on` runs: the probe (control tokens and content) {probe:.1f} %"
+          f" and validation {100 * sum(parts['seconds_val']) / total:.1f} % of the step time")
     print(f"({args.rounds} rounds x {args.steps} steps each, {args.threads} threads, {time.time() - t0:.0f} s)")
 
 

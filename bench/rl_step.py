@@ -11,8 +11,8 @@ from the same checkpoint and seed, in alternating order:
 Exactness check: a greedy rollout of the same tasks through both engines gives identical
 episodes. (Sampled episodes differ: the new engine draws the random stream for the rows
 still decoding only; the first step's reward and healthy rate are printed for both.) Prints per-step
-seconds (probe, rollout, update) and the ratios. Step 0 also computes the gradient share (every 10 steps): it is reported
-with the others and apart.
+seconds (probe, rollout, update) and the ratios. Step 0 also computes the gradient share (every 10
+steps): it is reported with the others and apart.
 
     python bench/rl_step.py --checkpoint runs/tiny/sft --steps 3 --rounds 2
 """

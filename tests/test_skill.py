@@ -110,13 +110,29 @@ def test_log_odds_alarm_fires_on_the_early_relative_move_and_not_below_its_floor
     assert first(logodds, [1e-6, 1e-6, 1e-5, 1e-4, 2e-3]) == 4  # it crosses the floor
 
 
-def test_content_rules_fire_on_a_falling_log_prob():
-    rules = content_rules(MonitorConfig(alarm_warmup=1, content_min_scale=0.01))
+def _first_alarm(rules, series, values):
     w = Watcher(rules)
-    fired = [w.update(step, {"probe/content/arg_copied/logp": v})
-             for step, v in enumerate([-0.40, -0.41, -0.43, -0.60, -0.70])]
-    assert [bool(f) for f in fired] == [False, False, False, True, False]  # a fall of 0.2 nats, not of 0.03
-    assert fired[3][0].rule.series == "probe/content/arg_copied/logp" and fired[3][0].rule.direction == -1
+    for step, v in enumerate(values):
+        w.update(step, {series: v})
+    return (w.alarms[0].step, w.alarms[0].rule.direction) if w.alarms else None
+
+
+def test_content_rules_fire_on_a_falling_log_prob_and_cusum_on_a_slow_drift():
+    """A steady fall of 0.02 nats a step: CUSUM (the content default: a fixed reference) sums it up; a
+    rolling robust z follows it with its median and never fires. A sudden fall: both fire at once.
+    Wobbles of 0.01 nats around the start: neither."""
+    key = "probe/content/arg_copied/logp"
+    m = MonitorConfig(alarm_warmup=1, content_min_scale=0.01)
+    cusum, robust = content_rules(m), content_rules(m, "robust_z")
+    assert {r.detector for r in cusum} == {"cusum"} and len(cusum) == 4
+    drift = [-0.40 - 0.02 * t for t in range(12)]
+    assert _first_alarm(cusum, key, drift) == (4, -1)  # S: 0.5, 3, 7.5, 14 > 10 after 4 steps
+    assert _first_alarm(robust, key, drift) is None
+    jump = [-0.40, -0.40, -0.41, -0.60, -0.62]
+    assert _first_alarm(cusum, key, jump) == (3, -1) and _first_alarm(robust, key, jump) == (3, -1)
+    wobble = [-0.40, -0.41, -0.40, -0.39, -0.41, -0.40, -0.41, -0.40]
+    assert _first_alarm(cusum, key, wobble) is None and _first_alarm(robust, key, wobble) is None
+    assert _first_alarm(cusum, key, [-0.40 + 0.05 * t for t in range(8)]) is None  # a rising log-prob is no alarm
 
 
 def test_skill_collapse_step():

@@ -244,6 +244,9 @@ def find_collapse(rows: Sequence[Mapping[str, Any]], hold: int) -> Collapse:
     return Collapse(at(collapse_step(healthy, hold)), at(first_step_below(healthy, COLLAPSE_FLOOR, hold)))
 
 
+SKILL_DROP = 0.7  # the lead table's skill event: validation success at 70 % of its start or below (a 30 % loss)
+
+
 def skill_collapse_step(rows: Sequence[Mapping[str, Any]], fraction: float = 0.5) -> int | None:
     """The first step whose validation success (`val/success`, rl's grpo.eval_every) is at most
     `fraction` of the first validation's: the skill collapse, which the format may not show.
@@ -281,7 +284,7 @@ def control_rules(m: MonitorConfig, detector: str | None = None, scale: str | No
 
 def content_rules(m: MonitorConfig, detector: str | None = None) -> list[Rule]:
     """One detector, falling, on the probe's ground-truth log-prob of each content slot (the skill)."""
-    return [Rule(s, detector or m.alarm_detector, -1, m.alarm_warmup, m.content_min_scale, m.alarm_threshold)
+    return [Rule(s, detector or m.content_detector, -1, m.alarm_warmup, m.content_min_scale, m.alarm_threshold)
             for s in CONTENT_SERIES]
 
 

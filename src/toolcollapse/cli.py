@@ -140,8 +140,9 @@ def _diagnose(args: argparse.Namespace) -> int:
     if path.is_dir() and ((path / "metrics.jsonl").is_file() or (path / "config.yaml").is_file()):
         d = diagnose.diagnose_run(path, args.out, figures=not args.no_figures)
         print(diagnose.format_run(d))
-        print(f"wrote {Path(args.out) if args.out else path / 'diagnose'}/summary.json"
-              + ("" if args.no_figures else " and control_tokens.png, states.png, errors.png"))
+        out = Path(args.out) if args.out else path / "diagnose"
+        figures = sorted(p.name for p in out.glob("*.png")) if not args.no_figures else []
+        print(f"wrote {out}/summary.json" + (f" and {', '.join(figures)}" if figures else ""))
     elif path.suffix in (".yaml", ".yml"):
         from toolcollapse.sweep import load_sweep
 

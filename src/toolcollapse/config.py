@@ -254,7 +254,7 @@ class GRPOConfig(Checked):
     samples_per_step: NonNegInt = 2  # decoded rollouts written to samples.jsonl per step
     # Validation during RL: the first eval_n tasks of eval.split, greedy under the eval limits (the rollout
     # section's), every eval_every steps before the update (step 0: the start); val/success, val/healthy_rate
-    eval_every: NonNegInt = 10  # 0: off
+    eval_every: NonNegInt = 20  # 0: off (every 10: 3.7 % of the step time, docs/BENCHMARKS.md)
     eval_n: Count = 32
 
 
@@ -286,6 +286,9 @@ class MonitorConfig(Checked):
     # The skill (monitor.py, content): alarms on the probe's ground-truth log-prob of tool names, argument
     # values and answers, falling; their noise floor in nats
     content_alarms: bool = True
+    # cusum: a fixed reference (the warm-up's values), so a slow steady fall adds up; a rolling robust z
+    # follows a steady drift with its median and never fires on one (docs/LOG.md, the silent collapse)
+    content_detector: Literal["robust_z", "cusum"] = "cusum"
     content_min_scale: Positive = 0.01
     on_alarm: Literal["log", "checkpoint", "stop"] = "log"  # stop: checkpoint, then end the run
     collapse_hold: Count = 3  # collapse: healthy rate below half its step-0 value for this many steps

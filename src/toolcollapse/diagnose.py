@@ -22,8 +22,8 @@ from pathlib import Path
 from statistics import median
 from typing import Any, Mapping, Sequence
 
-from toolcollapse.alarms import (COLLAPSE_FLOOR, CONTENT_SERIES, Alarm, Rule, content_rules, control_rules, control_series,
-                                 find_collapse, replay, run_rules, skill_collapse_step)
+from toolcollapse.alarms import (COLLAPSE_FLOOR, CONTENT_SERIES, SKILL_DROP, Alarm, Rule, content_rules, control_rules,
+                                 control_series, find_collapse, replay, run_rules, skill_collapse_step)
 from toolcollapse.config import MonitorConfig, RunConfig
 
 # Series any trainer logs, watched for a change in either direction (the healthy rate: for a fall).
@@ -148,12 +148,12 @@ def detector_panel(m: MonitorConfig, baseline_warmup: int) -> dict[str, list[Rul
 def lead_table(runs: Sequence[tuple[str, Sequence[Mapping[str, Any]]]], panel: Mapping[str, Sequence[Rule]],
                hold: int, event: str = "format") -> list[dict[str, Any]]:
     """For each panel row: alarms before the event and their lead on the runs that had it; false alarms
-    on the rest. event `format`: the collapse (healthy-turn rate); `skill`: validation success at half
-    its start or below (`skill_collapse_step`)."""
+    on the rest. event `format`: the collapse (healthy-turn rate); `skill`: validation success at
+    SKILL_DROP of its start or below, with the lead to half of it in the `< 20 %` column's place."""
     judged = []
     for name, rows in runs:
         if event == "skill":
-            judged.append((name, rows, skill_collapse_step(rows), None))
+            judged.append((name, rows, skill_collapse_step(rows, SKILL_DROP), skill_collapse_step(rows, 0.5)))
             continue
         collapse = find_collapse(rows, hold)
         judged.append((name, rows, collapse.step, collapse.floor_step))
@@ -178,12 +178,12 @@ def lead_table(runs: Sequence[tuple[str, Sequence[Mapping[str, Any]]]], panel: M
     return out
 
 
-def format_lead_table(rows: Sequence[Mapping[str, Any]]) -> str:
+def format_lead_table(rows: Sequence[Mapping[str, Any]], event: str = "collapse", second: str = "< 20 %") -> str:
     def spread(xs: Sequence[int]) -> str:
         return "-" if not xs else f"{median(xs):g} [{min(xs)}-{max(xs)}]"
 
-    head = ("| detector | fired before collapse | lead >= 3 | lead to collapse, median [min-max] "
-            "| lead to < 20 % | false alarms (runs without collapse) |")
+    head = (f"| detector | fired before {event} | lead >= 3 | lead to {event}, median [min-max] "
+            f"| lead to {second} | false alarms (runs without {event}) |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in rows:
         lines.append(f"| {r['detector']} | {r['fired_before']}/{r['n_collapsed']} | {r['lead_ge_3']}/{r['n_collapsed']} "
@@ -205,9 +205,14 @@ def format_sweep(specs: Sequence[Any], baseline_warmup: int) -> str:
                                                  f"finishes" if rows else "not run"))
             continue
         m = spec.cfg.monitor
-        d = diagnose_rows(rows, control_rules(m), [], m.collapse_hold, run=str(spec.run_dir))
+        d = diagnose_rows(rows, run_rules(m), [], m.collapse_hold, run=str(spec.run_dir))
+        first = lambda series: min((a.step for a in d.alarms if a.rule.series in series), default=None)  # noqa: E731
+        skill = (f"; validation success {rows[0]['val/success']:.2f} at step 0, down 30 % at "
+                 f"{skill_collapse_step(rows, SKILL_DROP)}, halved at {skill_collapse_step(rows)}; first content "
+                 f"alarm at {first(CONTENT_SERIES)}" if "val/success" in rows[0] else "")
         lines.append(f"{spec.run_dir}: {len(rows)} steps, collapse at {d.collapse_step}, below 20 % at "
-                     f"{d.below_floor_step}, first control-token alarm at {d.first_alarm}")
+                     f"{d.below_floor_step}, first control-token alarm at {first(control_series(m.control_tokens))}"
+                     + skill)
         runs.append((str(spec.run_dir), rows))
     if not runs:
         return "\n".join(lines + ["no run has metrics yet"])
@@ -218,8 +223,10 @@ def format_sweep(specs: Sequence[Any], baseline_warmup: int) -> str:
                   f"control-token detectors warm up on {m.alarm_warmup} probe observation(s), "
                   f"baselines on {baseline_warmup}", format_lead_table(table)]
     if any("val/success" in r for _, rows in runs for r in rows):
-        lines += ["", "skill collapse: validation success (val/success) at half its first value or below",
-                  format_lead_table(lead_table(runs, panel, m.collapse_hold, event="skill"))]
+        lines += ["", f"skill: the event is validation success (val/success) at {SKILL_DROP:.0%} of its first value or "
+                      "below",
+                  format_lead_table(lead_table(runs, panel, m.collapse_hold, event="skill"), "30 % skill loss",
+                                    "skill halved")]
     return "\n".join(lines)
 
 

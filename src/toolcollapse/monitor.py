@@ -301,7 +301,8 @@ def run_probe(model: Any, probe: ProbeSet, token_ids: Mapping[str, int], tempera
                                select[:, :width].to(device), probe.prefix_len).cpu())
     logp = torch.log_softmax(torch.cat(parts) / temperature, dim=-1)
     model.train(was_training)
-    return {**control_token_stats(logp, probe.slot_of, token_ids), **content_stats(logp, probe.targets, probe.content_of)}
+    return {**control_token_stats(logp, probe.slot_of, token_ids),
+            **content_stats(logp, probe.targets, probe.content_of)}
 
 
 # ----------------------------------------------------------------------------- statistics of the training forward

@@ -11,8 +11,10 @@ One step:
      frozen initial model (losses.py), token-mean over the batch;
   4. clip the gradient norm; a non-finite loss or norm skips the step, never the weights.
 Every `monitor.probe_every` steps, before the update, a fixed probe set of oracle
-conversations is teacher-forced through the policy and its control-token statistics
-are logged (monitor.py), and alarm rules watch them (alarms.py): an alarm is printed,
+conversations is teacher-forced through the policy and its control-token and content
+statistics are logged (monitor.py); every `grpo.eval_every` steps the policy runs greedily
+on fixed `eval.split` tasks (`val/success`, `val/healthy_rate`: the skill, which the format
+can hide). Alarm rules watch the probe's series (alarms.py): an alarm is printed,
 written to alarms.jsonl and handled (`monitor.on_alarm`: log, checkpoint, stop; or a
 handler passed to `run_rl`). With `grpo.skip_uninformative_steps`, a step whose groups all
 have equal rewards makes no optimizer step, so Adam's momentum cannot keep moving the
@@ -57,7 +59,8 @@ from toolcollapse.config import (ConfigError, RunConfig, checkpoint_problems, du
 from toolcollapse.envs import make_env
 from toolcollapse.evaluate import sampling_params
 from toolcollapse.losses import aggregate, kl_k3, ppo_clip_loss
-from toolcollapse.model import device_of, load_model, load_tokenizer, logits_at, place, resolve_device, shared_prefix_len
+from toolcollapse.model import (device_of, load_model, load_tokenizer, logits_at, place, resolve_device,
+                                shared_prefix_len)
 from toolcollapse.sources import add_control_tokens, apply_lora, ready_for_chatml, token_ids
 from toolcollapse.monitor import (ProbeSet, build_probe, content_labels, control_gradient_share, resolve_token_ids,
                                   run_probe, sampled_control_stats)
