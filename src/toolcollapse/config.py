@@ -259,6 +259,13 @@ class GRPOConfig(Checked):
 
 
 @dataclass(frozen=True)
+class SupervisionConfig(Checked):
+    """Supervision signals mixed into GRPO (supervision.py); each off by default, so plain GRPO is unchanged."""
+
+    sft_coef: NonNegative = 0.0  # synchronous SFT term: + sft_coef * NLL of the step's tasks' ground truth
+
+
+@dataclass(frozen=True)
 class MonitorConfig(Checked):
     """Control-token statistics (monitor.py)."""
 
@@ -318,6 +325,7 @@ class RunConfig(Checked):
     sft: SFTConfig = field(default_factory=SFTConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 

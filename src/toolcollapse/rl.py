@@ -68,7 +68,8 @@ from toolcollapse.optim import lr_at, make_optimizer, set_lr
 from toolcollapse.records import Episode, ErrorType, PolicyBatch, Task, TurnState
 from toolcollapse.rewards import rewards_tensor
 from toolcollapse.rollout import RolloutEngine
-from toolcollapse.sft import encode_tasks
+from toolcollapse.sft import Example, encode_tasks
+from toolcollapse.supervision import SFTTerm, sft_tokens_so_far
 from toolcollapse.runtime import (append_jsonl, check_new_run_dir, clear_run_dir, progress, read_jsonl, seed_everything,
                                   set_threads)
 
@@ -126,11 +127,14 @@ class UpdateStats:
 
 
 def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torch.optim.Optimizer,
-                batch: PolicyBatch, cfg: Any, collect: list | None = None, temperature: float = 1.0) -> UpdateStats:
+                batch: PolicyBatch, cfg: Any, collect: list | None = None, temperature: float = 1.0,
+                extra: Callable[[], bool] | None = None) -> UpdateStats:
     """One optimizer step over the whole batch, in micro-batches (gradient accumulation).
 
     `collect`, if given, receives (targets, logp, old_logp, entropy) [M] per micro-batch,
-    detached: the monitor's statistics come from this forward at no extra cost."""
+    detached: the monitor's statistics come from this forward at no extra cost. `extra`, if
+    given, adds another loss's gradient to the same step (a supervision term) and returns
+    whether that loss was finite."""
     n_tokens, n_seqs = int(batch.target_mask.sum()), len(batch)
     sums: Counter[str] = Counter()
     finite = True
@@ -161,6 +165,8 @@ def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torc
             for name in ("clip_frac_low", "clip_frac_high", "dual_clip_frac"):
                 sums[name] += getattr(pg_stats, name) * m
             sums["ratio_max"] = max(sums["ratio_max"], pg_stats.ratio_max)
+    if extra is not None and finite:
+        finite &= extra()
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)) if finite else math.nan
     skipped = not (finite and math.isfinite(grad_norm))
     if not skipped:
@@ -176,9 +182,11 @@ def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torc
 
 def policy_step(model: Any, ref_model: Any | None, optimizer: torch.optim.Optimizer, episodes: Sequence[Episode],
                 rewards: torch.Tensor, g: Any, pad_id: int, control_ids: dict[str, int],
-                grad_share_rows: int = 0, temperature: float = 1.0) -> dict[str, float]:
+                grad_share_rows: int = 0, temperature: float = 1.0,
+                sft_term: tuple[SFTTerm, Sequence[Example]] | None = None) -> dict[str, float]:
     """Advantages, then `updates_per_batch` optimizer steps on one batch of rollouts; their statistics.
-    With grad_share_rows > 0, first the control tokens' share of the gradient on that many rollouts."""
+    With grad_share_rows > 0, first the control tokens' share of the gradient on that many rollouts.
+    `sft_term`: (the term, the ground truth of the step's tasks), added to every optimizer step."""
     advantages, adv_stats = group_advantages(rewards, g.group_size, g.scale_adv_by_std)
     if g.skip_uninformative_steps and adv_stats.frac_groups_informative == 0:
         return {**asdict(adv_stats), "skipped_uninformative": 1, "skipped_nonfinite": 0}
@@ -186,9 +194,19 @@ def policy_step(model: Any, ref_model: Any | None, optimizer: torch.optim.Optimi
     share = grad_share(model, batch, g, control_ids, grad_share_rows, temperature) if grad_share_rows else {}
     ref_logp = (reference_logprobs(ref_model, batch, g, temperature) if ref_model is not None else None)
     collected: list = []  # per-token tensors of the last update's forward, for the control-token statistics
+    sup: dict[str, float] = {}  # the supervision terms' statistics (of the last update)
+
+    def add_sft_term() -> bool:
+        term, examples = sft_term
+        sup.update(term.backward(model, examples))
+        return math.isfinite(sup["sup/sft_nll"])
+
     updates = [grpo_update(model, ref_logp, optimizer, batch, g, collect=collected if k == g.updates_per_batch - 1
-                           else None, temperature=temperature) for k in range(g.updates_per_batch)]
-    return {**asdict(adv_stats), **asdict(updates[-1]), **_control_stats(collected, control_ids), **share,
+                           else None, temperature=temperature, extra=add_sft_term if sft_term else None)
+               for k in range(g.updates_per_batch)]
+    if sft_term:
+        sup["sup/sft_tokens"] *= g.updates_per_batch  # tokens trained on in this step's optimizer steps
+    return {**asdict(adv_stats), **asdict(updates[-1]), **_control_stats(collected, control_ids), **share, **sup,
             "skipped_uninformative": 0, "skipped_nonfinite": sum(u.skipped_nonfinite for u in updates)}
 
 
@@ -372,6 +390,9 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
     params = sampling_params(cfg, greedy=False)
     bar = progress(g.steps, "rl", initial=start)
     last_val = "-"  # the last validation's success (and its cost), for the progress line
+    s = cfg.supervision
+    sft_term = SFTTerm(s.sft_coef, g.micro_batch_size, tokenizer.pad_token_id) if s.sft_coef > 0 else None
+    sft_tokens_total = sft_tokens_so_far(read_jsonl(run_dir / "metrics.jsonl")) if start else 0.0
     m = cfg.monitor
     model.train()
     for step in range(start, g.steps):
@@ -392,8 +413,12 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
         set_lr(optimizer, lr)
         rewards = rewards_tensor(episodes, g.format_reward)
         share_rows = m.grad_share_rows if m.grad_share_every and step % m.grad_share_every == 0 else 0
+        sft = (sft_term, encode_tasks(engine.encoder, tasks, cfg.rollout.call_end)) if sft_term else None
         update_stats = policy_step(model, ref_model, optimizer, episodes, rewards, g, tokenizer.pad_token_id,
-                                   probe_tokens, share_rows, cfg.rollout.temperature)
+                                   probe_tokens, share_rows, cfg.rollout.temperature, sft)
+        if "sup/sft_tokens" in update_stats:
+            sft_tokens_total += update_stats["sup/sft_tokens"]
+            update_stats["sup/sft_tokens_total"] = sft_tokens_total
         metrics = {"step": step, "lr": lr, **probe_stats, **update_stats, **rollout_stats(episodes),
                    "seconds": time.time() - t_probe, "seconds_probe": t_val - t_probe,
                    "seconds_rollout": t_rollout - t0, "seconds_update": time.time() - t_rollout}
