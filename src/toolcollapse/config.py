@@ -263,6 +263,7 @@ class SupervisionConfig(Checked):
     """Supervision signals mixed into GRPO (supervision.py); each off by default, so plain GRPO is unchanged."""
 
     sft_coef: NonNegative = 0.0  # synchronous SFT term: + sft_coef * NLL of the step's tasks' ground truth
+    unlikelihood_coef: NonNegative = 0.0  # + coef * -log(1 - p) at the first rejected control token of failed turns
 
 
 @dataclass(frozen=True)

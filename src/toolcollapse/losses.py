@@ -27,6 +27,13 @@ def sft_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor,
     return loss, SFTStats(loss=loss.item(), accuracy=acc, n_tokens=targets.numel())
 
 
+def unlikelihood(logp: torch.Tensor) -> torch.Tensor:
+    """-log(1 - p) of tokens the policy should not have written, from their log-probs [K] -> [K]
+    (unlikelihood training, arXiv 1908.04319): its gradient in log p is p / (1 - p), steep as p -> 1.
+    1e-6 keeps it finite where p rounds to 1."""
+    return -torch.log((-torch.expm1(logp)).clamp(min=0.0) + 1e-6)
+
+
 # ----------------------------------------------------------------------------- policy gradient
 
 

@@ -280,3 +280,26 @@ def describe(parsed: ParsedTurn) -> dict[str, Any]:
     return {"state": parsed.state.value, "errors": [e.value for e in parsed.errors], "end": parsed.end,
             "detail": parsed.detail, "call": None if parsed.call is None else
             {"name": parsed.call.name, "arguments": parsed.call.arguments}}
+
+
+def first_rejected_control(ids: Sequence[int], id_to_tag: Mapping[int, str], call_end: CallEnd = "template") -> int | None:
+    """Index in a sampled turn's ids of the first control token its grammar does not allow there
+    (the token an unlikelihood term pushes down), or None. The grammar is `parse_segments`':
+    [text] <tool_call> body </tool_call> (then <|im_end|> with call_end `sampled`), or text <|im_end|>.
+    Rejected: <tool_call> inside a call or after one closed, </tool_call> with no call open,
+    <|im_end|> inside a call (the unclosed call of full collapse), <|endoftext|> as the turn's end,
+    and every other tag (<|im_start|>, <tool_response>, ...) anywhere in the turn."""
+    in_call = closed = False
+    for i, tok in enumerate(ids):
+        tag = id_to_tag.get(tok)
+        if tag is None:
+            continue
+        if tag == TOOL_CALL and not in_call and not closed:
+            in_call = True
+        elif tag == TOOL_CALL_END and in_call:
+            in_call, closed = False, True
+        elif tag == IM_END and not in_call:
+            return None  # the turn's end, where it belongs
+        else:
+            return i
+    return None

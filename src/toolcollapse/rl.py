@@ -43,7 +43,7 @@ import json
 import math
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -58,18 +58,19 @@ from toolcollapse.config import (ConfigError, RunConfig, checkpoint_problems, du
                                  rl_problems)
 from toolcollapse.envs import make_env
 from toolcollapse.evaluate import sampling_params
-from toolcollapse.losses import aggregate, kl_k3, ppo_clip_loss
+from toolcollapse.losses import aggregate, kl_k3, ppo_clip_loss, unlikelihood
+from toolcollapse.parser import first_rejected_control
 from toolcollapse.model import (device_of, load_model, load_tokenizer, logits_at, place, resolve_device,
                                 shared_prefix_len)
 from toolcollapse.sources import add_control_tokens, apply_lora, ready_for_chatml, token_ids
 from toolcollapse.monitor import (ProbeSet, build_probe, content_labels, control_gradient_share, resolve_token_ids,
                                   run_probe, sampled_control_stats)
 from toolcollapse.optim import lr_at, make_optimizer, set_lr
-from toolcollapse.records import Episode, ErrorType, PolicyBatch, Task, TurnState
+from toolcollapse.records import CallEnd, Episode, ErrorType, PolicyBatch, Task, TurnState
 from toolcollapse.rewards import rewards_tensor
 from toolcollapse.rollout import RolloutEngine
-from toolcollapse.sft import Example, encode_tasks
-from toolcollapse.supervision import SFTTerm, sft_tokens_so_far
+from toolcollapse.sft import encode_tasks
+from toolcollapse.supervision import SFTTerm, StepSupervision, sft_tokens_so_far
 from toolcollapse.runtime import (append_jsonl, check_new_run_dir, clear_run_dir, progress, read_jsonl, seed_everything,
                                   set_threads)
 
@@ -80,7 +81,8 @@ RUN_CONFIG = "config.yaml"
 
 
 def build_batch(episodes: Sequence[Episode], advantages: torch.Tensor, pad_id: int,
-                device: torch.device | str = "cpu") -> PolicyBatch:
+                device: torch.device | str = "cpu", unlikely: Sequence[Sequence[int]] | None = None) -> PolicyBatch:
+    """The rollouts as right-padded tensors; `unlikely`: per episode, positions of tokens to push down."""
     width = max(len(ep.tokens) for ep in episodes)
     n = len(episodes)
     ids = torch.full((n, width), pad_id, dtype=torch.long)
@@ -91,7 +93,22 @@ def build_batch(episodes: Sequence[Episode], advantages: torch.Tensor, pad_id: i
         ids[i, :t] = torch.tensor(ep.tokens)
         mask[i, :t] = torch.tensor(ep.loss_mask, dtype=torch.bool)
         old[i, :t] = torch.tensor(ep.logprobs)
-    return PolicyBatch(ids, mask, old, advantages.float()).to(device)
+    marked = None
+    if unlikely is not None:
+        marked = torch.zeros((n, width), dtype=torch.bool)
+        for i, positions in enumerate(unlikely):
+            marked[i, list(positions)] = True
+    return PolicyBatch(ids, mask, old, advantages.float(), marked).to(device)
+
+
+def unlikely_positions(episodes: Sequence[Episode], id_to_tag: dict[int, str], call_end: CallEnd) -> list[list[int]]:
+    """Per episode, the position of the first control token the grammar rejects in each failed turn."""
+    out = []
+    for ep in episodes:
+        found = [(t.start, first_rejected_control(ep.tokens[t.start:t.end], id_to_tag, call_end))
+                 for t in ep.turns if not t.parsed.state.healthy]
+        out.append([start + i for start, i in found if i is not None])
+    return out
 
 
 def policy_logprobs(model: Any, batch: PolicyBatch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,18 +141,21 @@ class UpdateStats:
     ratio_max: float
     grad_norm: float
     skipped_nonfinite: int  # 1 when the step was skipped (non-finite loss or grad norm)
+    terms: dict[str, float] = field(default_factory=dict)  # supervision terms computed in the same forward
 
 
 def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torch.optim.Optimizer,
                 batch: PolicyBatch, cfg: Any, collect: list | None = None, temperature: float = 1.0,
-                extra: Callable[[], bool] | None = None) -> UpdateStats:
+                extra: Callable[[], bool] | None = None, unlikelihood_coef: float = 0.0) -> UpdateStats:
     """One optimizer step over the whole batch, in micro-batches (gradient accumulation).
 
     `collect`, if given, receives (targets, logp, old_logp, entropy) [M] per micro-batch,
     detached: the monitor's statistics come from this forward at no extra cost. `extra`, if
     given, adds another loss's gradient to the same step (a supervision term) and returns
-    whether that loss was finite."""
+    whether that loss was finite. `unlikelihood_coef` > 0 adds coef * mean -log(1 - p) over the
+    batch's `unlikely` tokens, from the same forward."""
     n_tokens, n_seqs = int(batch.target_mask.sum()), len(batch)
+    n_unlikely = int(batch.unlikely.sum()) if unlikelihood_coef > 0 and batch.unlikely is not None else 0
     sums: Counter[str] = Counter()
     finite = True
     for k, mb in enumerate(micro_batches(batch, cfg.micro_batch_size, cfg.sort_micro_batches)):
@@ -149,12 +169,17 @@ def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torc
         if ref_logp is not None:
             kl = kl_k3(logp, ref_logp[k])
             per_token = pg + cfg.kl_coef * kl
-        loss = aggregate(per_token, seq_ids, cfg.loss_agg, n_tokens, n_seqs)
+        loss = aggregate(per_token, seq_ids, cfg.loss_agg, n_tokens, n_seqs)  # the policy loss, as logged
+        total = loss
+        if n_unlikely:
+            ul = unlikelihood(logp[mb.unlikely[mb.target_mask]])  # [K] the micro-batch's rejected tokens
+            total = loss + unlikelihood_coef * ul.sum() / n_unlikely
+            sums["unlikelihood"] += ul.sum().item()
         if collect is not None:
             collect.append((mb.input_ids[mb.target_mask], logp.detach(), old, entropy.detach()))
-        finite &= bool(torch.isfinite(loss))
+        finite &= bool(torch.isfinite(total))
         if finite:
-            loss.backward()
+            total.backward()
         m = logp.numel()
         with torch.no_grad():
             sums["loss"] += loss.item()
@@ -177,36 +202,40 @@ def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torc
                        approx_kl_old=per_tok("approx_kl_old"), entropy=per_tok("entropy"),
                        clip_frac_low=per_tok("clip_frac_low"), clip_frac_high=per_tok("clip_frac_high"),
                        dual_clip_frac=per_tok("dual_clip_frac"), ratio_max=sums["ratio_max"],
-                       grad_norm=grad_norm, skipped_nonfinite=int(skipped))
+                       grad_norm=grad_norm, skipped_nonfinite=int(skipped),
+                       terms={"sup/unlikelihood": sums["unlikelihood"] / n_unlikely,
+                              "sup/unlikely_tokens": n_unlikely} if n_unlikely else {})
 
 
 def policy_step(model: Any, ref_model: Any | None, optimizer: torch.optim.Optimizer, episodes: Sequence[Episode],
                 rewards: torch.Tensor, g: Any, pad_id: int, control_ids: dict[str, int],
                 grad_share_rows: int = 0, temperature: float = 1.0,
-                sft_term: tuple[SFTTerm, Sequence[Example]] | None = None) -> dict[str, float]:
+                sup: StepSupervision | None = None) -> dict[str, float]:
     """Advantages, then `updates_per_batch` optimizer steps on one batch of rollouts; their statistics.
     With grad_share_rows > 0, first the control tokens' share of the gradient on that many rollouts.
-    `sft_term`: (the term, the ground truth of the step's tasks), added to every optimizer step."""
+    `sup`: the supervision terms added to every optimizer step."""
+    sup = sup or StepSupervision()
     advantages, adv_stats = group_advantages(rewards, g.group_size, g.scale_adv_by_std)
     if g.skip_uninformative_steps and adv_stats.frac_groups_informative == 0:
         return {**asdict(adv_stats), "skipped_uninformative": 1, "skipped_nonfinite": 0}
-    batch = build_batch(episodes, advantages, pad_id, device_of(model))
+    batch = build_batch(episodes, advantages, pad_id, device_of(model), sup.unlikely)
     share = grad_share(model, batch, g, control_ids, grad_share_rows, temperature) if grad_share_rows else {}
     ref_logp = (reference_logprobs(ref_model, batch, g, temperature) if ref_model is not None else None)
     collected: list = []  # per-token tensors of the last update's forward, for the control-token statistics
-    sup: dict[str, float] = {}  # the supervision terms' statistics (of the last update)
+    terms: dict[str, float] = {}  # the supervision terms' statistics (of the last update)
 
     def add_sft_term() -> bool:
-        term, examples = sft_term
-        sup.update(term.backward(model, examples))
-        return math.isfinite(sup["sup/sft_nll"])
+        terms.update(sup.sft.backward(model, sup.sft_examples))
+        return math.isfinite(terms["sup/sft_nll"])
 
     updates = [grpo_update(model, ref_logp, optimizer, batch, g, collect=collected if k == g.updates_per_batch - 1
-                           else None, temperature=temperature, extra=add_sft_term if sft_term else None)
-               for k in range(g.updates_per_batch)]
-    if sft_term:
-        sup["sup/sft_tokens"] *= g.updates_per_batch  # tokens trained on in this step's optimizer steps
-    return {**asdict(adv_stats), **asdict(updates[-1]), **_control_stats(collected, control_ids), **share, **sup,
+                           else None, temperature=temperature, extra=add_sft_term if sup.sft else None,
+                           unlikelihood_coef=sup.unlikelihood_coef) for k in range(g.updates_per_batch)]
+    if sup.sft:
+        terms["sup/sft_tokens"] *= g.updates_per_batch  # tokens trained on in this step's optimizer steps
+    last = asdict(updates[-1])
+    terms.update(last.pop("terms"))
+    return {**asdict(adv_stats), **last, **_control_stats(collected, control_ids), **share, **terms,
             "skipped_uninformative": 0, "skipped_nonfinite": sum(u.skipped_nonfinite for u in updates)}
 
 
@@ -413,9 +442,12 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
         set_lr(optimizer, lr)
         rewards = rewards_tensor(episodes, g.format_reward)
         share_rows = m.grad_share_rows if m.grad_share_every and step % m.grad_share_every == 0 else 0
-        sft = (sft_term, encode_tasks(engine.encoder, tasks, cfg.rollout.call_end)) if sft_term else None
+        sup = StepSupervision(
+            sft_term, encode_tasks(engine.encoder, tasks, cfg.rollout.call_end) if sft_term else (),
+            s.unlikelihood_coef,
+            unlikely_positions(episodes, engine.id_to_tag, cfg.rollout.call_end) if s.unlikelihood_coef else None)
         update_stats = policy_step(model, ref_model, optimizer, episodes, rewards, g, tokenizer.pad_token_id,
-                                   probe_tokens, share_rows, cfg.rollout.temperature, sft)
+                                   probe_tokens, share_rows, cfg.rollout.temperature, sup)
         if "sup/sft_tokens" in update_stats:
             sft_tokens_total += update_stats["sup/sft_tokens"]
             update_stats["sup/sft_tokens_total"] = sft_tokens_total

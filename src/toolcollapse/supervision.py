@@ -1,6 +1,6 @@
 """Supervision signals mixed into GRPO (arXiv 2606.26027; docs: DESIGN.md, "Supervision signals").
 
-So far the synchronous SFT term: every GRPO step also minimises
+So far two terms added to the GRPO loss. The synchronous SFT term: every GRPO step also minimises
 
     sft_coef * NLL(ground-truth conversations of the step's tasks)
 
@@ -9,6 +9,12 @@ as the policy loss -- the joint loss of CHORD (arXiv 2508.11408) with a fixed we
 keeps supervision on the format and on copying while RL moves the policy, at the price of
 SFT tokens, which every step logs (`sup/sft_tokens`, and their running total) so that a
 gain can be told apart from "more SFT" (docs/LOG.md).
+
+Unlikelihood (not in the paper; arXiv 1908.04319): in each of the policy's own failed turns,
+the first control token the grammar rejects (`parser.first_rejected_control`: `<|im_end|>`
+inside a call, a stray `</tool_call>`, `<tool_response>` ...) adds
+`unlikelihood_coef * -log(1 - p)` (mean over such tokens of the batch), computed from the
+update's own forward: the collapse's spike pushed down where it happened.
 """
 
 from __future__ import annotations
@@ -39,6 +45,16 @@ class SFTTerm:
             (self.coef * nll / max(1, n_tokens)).backward()
             total += nll.item()
         return {"sup/sft_nll": total / max(1, n_tokens), "sup/sft_tokens": float(n_tokens)}
+
+
+@dataclass(frozen=True)
+class StepSupervision:
+    """What the supervision signals add to one GRPO step (all empty: plain GRPO)."""
+
+    sft: SFTTerm | None = None
+    sft_examples: Sequence[Example] = ()  # the ground truth of the step's tasks
+    unlikelihood_coef: float = 0.0
+    unlikely: Sequence[Sequence[int]] | None = None  # per rollout: positions of rejected control tokens
 
 
 def sft_tokens_so_far(rows: Sequence[dict[str, Any]]) -> float:
