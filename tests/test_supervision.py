@@ -126,8 +126,8 @@ def test_unlikelihood_term_gradient_in_the_update(tiny_model, tokenizer, world):
     from toolcollapse.rl import policy_logprobs
 
     model = copy.deepcopy(tiny_model).train()
-    episodes = RolloutEngine(model, tokenizer, world).generate(world.tasks("train")[:2],
-                                                               SamplingParams(max_turns=1, max_new_tokens=8), group_size=2)
+    params = SamplingParams(max_turns=1, max_new_tokens=8)
+    episodes = RolloutEngine(model, tokenizer, world).generate(world.tasks("train")[:2], params, group_size=2)
     sampled = [[i for i, m in enumerate(ep.loss_mask) if m] for ep in episodes]
     marked = [sampled[0][:1], [], sampled[2][-1:], []]  # two of the policy's tokens
     batch = build_batch(episodes, torch.zeros(len(episodes)), tokenizer.pad_token_id, unlikely=marked)

@@ -282,7 +282,8 @@ def describe(parsed: ParsedTurn) -> dict[str, Any]:
             {"name": parsed.call.name, "arguments": parsed.call.arguments}}
 
 
-def first_rejected_control(ids: Sequence[int], id_to_tag: Mapping[int, str], call_end: CallEnd = "template") -> int | None:
+def first_rejected_control(ids: Sequence[int], id_to_tag: Mapping[int, str],
+                           call_end: CallEnd = "template") -> int | None:
     """Index in a sampled turn's ids of the first control token its grammar does not allow there
     (the token an unlikelihood term pushes down), or None. The grammar is `parse_segments`':
     [text] <tool_call> body </tool_call> (then <|im_end|> with call_end `sampled`), or text <|im_end|>.
