@@ -48,11 +48,11 @@ def main() -> None:
         raise SystemExit(f"no GPU visible to torch {torch.__version__} (torch.version.cuda={torch.version.cuda})")
     print(f"torch {torch.__version__}, device {torch.cuda.get_device_name() if gpu else 'cpu'}", flush=True)
 
-    small = (["sft.steps=3", "sft.batch_size=2", "rollout.max_turns=2", "rollout.max_new_tokens=24",
-              "grpo.prompts_per_step=2", "grpo.group_size=2", "grpo.micro_batch_size=2", "monitor.probe_size=4"]
-             if args.tiny else [f"sft.steps={args.sft_steps}"])
+    sft_sizes = ["sft.steps=3", "sft.batch_size=2"] if args.tiny else [f"sft.steps={args.sft_steps}"]
+    rl_sizes = (["rollout.max_turns=2", "rollout.max_new_tokens=24", "grpo.prompts_per_step=2", "grpo.group_size=2",
+                 "grpo.micro_batch_size=2", "monitor.probe_size=4"] if args.tiny else [])
     sft_cfg = load_config("configs/smol/sft.yaml", [f"device={args.device}", "model.dtype=bfloat16", "threads=null",
-                                                    "sft.val_every=1000", "sft.log_every=5"] + small)
+                                                    "sft.val_every=1000", "sft.log_every=5"] + sft_sizes)
     t0 = time.time()
     sft_dir = run_sft(sft_cfg, out / "sft")
     sft_rows = read_jsonl(sft_dir / "metrics.jsonl")
@@ -66,7 +66,7 @@ def main() -> None:
         """The run's metrics rows and its rollouts per step."""
         cfg = load_config("configs/smol/rl.yaml", [f"init={sft_dir}", f"device={device}", f"model.dtype={dtype}",
                                                    f"grpo.steps={steps}", "grpo.checkpoint_every=1000",
-                                                   "monitor.probe_every=1"] + small[1:])
+                                                   "monitor.probe_every=1"] + rl_sizes)
         if device == "cpu":
             cfg = replace(cfg, threads=None)
         if gpu:

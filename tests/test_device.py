@@ -80,7 +80,9 @@ def test_sft_rl_and_eval_on_explicit_cpu(tmp_path, dtype):
     assert {w.dtype for w in load_file(step2 / "model.safetensors").values()} == {torch.float32}
     assert load_model(step2).dtype == torch.float32
 
-    # resumed from step 1 under another device setting (result-neutral, like threads): the same step 1
+    # resumed from step 1 under another device setting: accepted (device is result-neutral, like threads; a
+    # resume with another config key is refused) and the same step 1. The exactness of resume itself, with
+    # weights that move, is test_rl's SIGKILL test: here the untrained model's groups are all uninformative.
     import shutil
     from dataclasses import replace
 
