@@ -88,6 +88,33 @@ def test_the_probe_measures_the_sampling_distribution(world, tokenizer, tiny_mod
     assert run_probe(tiny_model, probe, ids, 0.5) != run_probe(tiny_model, probe, ids, 1.0)
 
 
+def test_the_probe_prefix_run_once_equals_a_plain_forward_of_every_row(world, tokenizer, tiny_model):
+    """run_probe runs the shared system prompt once and every chunk attends to that one copy: over
+    two chunks its statistics equal those of a plain forward of each whole row, nothing shared.
+    Queries and keys are scaled up: a fresh model's attention is near uniform, blind to positions."""
+    import copy
+
+    from toolcollapse.model import logits_at
+    from toolcollapse.monitor import PROBE_CHUNK, content_stats
+
+    model = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.mul_(8.0)
+
+    examples = encode_tasks(PieceEncoder(tokenizer), world.tasks("train")[:PROBE_CHUNK + 3])
+    probe = build_probe(examples, tokenizer.pad_token_id, resolve_token_ids(tokenizer, CONTROL_TAGS))
+    assert probe.prefix_len > 100  # the system prompt
+    ids = resolve_token_ids(tokenizer, [TOOL_CALL, IM_END])
+    with torch.no_grad():
+        logp = torch.log_softmax(logits_at(model, probe.input_ids, probe.select).float(), dim=-1)
+    expected = {**control_token_stats(logp, probe.slot_of, ids), **content_stats(logp, probe.targets, probe.content_of)}
+    got = run_probe(model, probe, ids)
+    assert got.keys() == expected.keys()
+    assert all(got[k] == pytest.approx(expected[k], abs=1e-5) for k in got)
+
+
 def test_a_trained_call_end_has_its_own_slot_and_series(world, tokenizer):
     """rollout.call_end: sampled trains the <|im_end|> after </tool_call>: slot call_turn_end,
     series probe/im_end/miss_after_call; with the template default there is no such position."""

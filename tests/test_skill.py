@@ -64,7 +64,8 @@ def test_content_statistics_equal_the_probabilities_a_model_gives(tokenizer, mon
     def logit_for(p: float) -> float:  # the truth's logit with every other logit 0: p = e^a / (e^a + V - 1)
         return math.log(p * (vocab - 1) / (1 - p))
 
-    def fake_logits_at(model, input_ids, select, prefix_len=0):  # the probe is one chunk: all its targets
+    def fake_logits(model, *args):  # logits_at or logits_after; the probe is one chunk: all its targets
+        select = args[-1]
         targets = probe.targets
         assert len(targets) == int(select.sum())
         logits = torch.zeros(len(targets), vocab)
@@ -72,7 +73,9 @@ def test_content_statistics_equal_the_probabilities_a_model_gives(tokenizer, mon
             logits[m, t] = setting(t)
         return logits
 
-    monkeypatch.setattr(monitor, "logits_at", fake_logits_at)
+    monkeypatch.setattr(monitor, "logits_at", fake_logits)
+    monkeypatch.setattr(monitor, "logits_after", fake_logits)
+    monkeypatch.setattr(monitor, "run_prefix", lambda model, ids: None)
     token_ids = resolve_token_ids(tokenizer, CONTROL_TAGS)
     probe = build_probe([(ids, mask)], tokenizer.pad_token_id, token_ids, [labels])
     stand_in = torch.nn.Linear(1, 1)  # run_probe reads the device and the train/eval mode off it

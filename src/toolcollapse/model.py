@@ -17,7 +17,9 @@ import torch
 from transformers import (AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM,
                           PreTrainedModel)
 
+from toolcollapse.attention import cascade, causal_mask
 from toolcollapse.config import ConfigError
+from toolcollapse.kvcache import cascade_cache, prefix_kv
 
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, intermediate_size=352),
@@ -214,4 +216,29 @@ def logits_at(model: PreTrainedModel, input_ids: torch.Tensor, select: torch.Ten
     """
     with precision(model):
         hidden = hidden_states(model, input_ids, prefix_len)  # [B, T, D]
+        return model.get_output_embeddings()(hidden[select]).float()  # [M, V]
+
+
+def run_prefix(model: PreTrainedModel, prefix_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Keys and values [1, Hkv, P, D] of every layer for one prefix [1, P] run alone: what
+    `logits_after` attends to, computed once for any number of batches that share it."""
+    decoder = model.get_decoder()
+    cache = DynamicCache(config=model.config)
+    with precision(model):
+        decoder(input_ids=prefix_ids, use_cache=True, **{cache_kwarg(decoder): cache})
+    return prefix_kv(cache)
+
+
+def logits_after(model: PreTrainedModel, prefix: list[tuple[torch.Tensor, torch.Tensor]], input_ids: torch.Tensor,
+                 select: torch.Tensor) -> torch.Tensor:
+    """`logits_at` for rows that all start with the prefix `run_prefix` ran: input_ids, select [B, S]
+    are the rows without it. The rows attend to the one copy of the prefix (`cascade`)."""
+    decoder = model.get_decoder()
+    batch, width = input_ids.shape
+    start = prefix[0][0].shape[-2]
+    positions = torch.arange(start, start + width, device=input_ids.device).expand(batch, -1)
+    cache = cascade_cache(model.config, prefix, store=False)
+    with cascade(model), precision(model):
+        hidden = decoder(input_ids=input_ids, position_ids=positions, attention_mask=causal_mask(width, width,
+                         input_ids.device), use_cache=True, **{cache_kwarg(decoder): cache}).last_hidden_state
         return model.get_output_embeddings()(hidden[select]).float()  # [M, V]

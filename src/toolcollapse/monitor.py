@@ -47,7 +47,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from toolcollapse.chat import ENDOFTEXT, IM_END, IM_START, TOOL_CALL, TOOL_CALL_END, TOOL_RESPONSE, TOOL_RESPONSE_END
-from toolcollapse.model import device_of, logits_at, shared_prefix_len
+from toolcollapse.model import device_of, logits_after, logits_at, run_prefix, shared_prefix_len
 
 
 class Slot(enum.IntEnum):
@@ -261,7 +261,7 @@ class ProbeSet:
     input_ids: torch.Tensor  # [B, T] right-padded
     select: torch.Tensor  # [B, T] bool: positions whose next token is a trained target
     slot_of: torch.Tensor  # [M] Slot of each selected position, row-major
-    prefix_len: int  # shared prefix (the system prompt) run once
+    prefix_len: int  # shared prefix (the system prompt), run once a probe for all chunks; no target inside
     targets: torch.Tensor  # [M] the oracle's next token there
     content_of: torch.Tensor  # [M] Content of that token (NO_CONTENT for structure)
 
@@ -283,8 +283,9 @@ def build_probe(examples: Sequence[tuple[list[int], list[int]]], pad_id: int, to
     content_of = torch.tensor([c for labels in content for c in labels], dtype=torch.long)
     if content_of.shape != targets.shape:
         raise ValueError(f"content labels for {len(content_of)} trained tokens, the probe set has {len(targets)}")
-    return ProbeSet(ids, select, torch.tensor(slot_of, dtype=torch.long), shared_prefix_len([x for x, _ in examples]),
-                    targets, content_of)
+    first_target = int(select.any(dim=0).nonzero().min())  # the prefix run alone predicts nothing
+    prefix_len = min(shared_prefix_len([x for x, _ in examples]), first_target)
+    return ProbeSet(ids, select, torch.tensor(slot_of, dtype=torch.long), prefix_len, targets, content_of)
 
 
 @torch.no_grad()
@@ -294,11 +295,13 @@ def run_probe(model: Any, probe: ProbeSet, token_ids: Mapping[str, int], tempera
     model.eval()
     parts = []
     device = device_of(model)
+    p = probe.prefix_len
+    prefix = run_prefix(model, probe.input_ids[:1, :p].to(device)) if p else None  # once for every chunk
     for start in range(0, len(probe.input_ids), PROBE_CHUNK):  # rows sorted by length: little padding a chunk
         select = probe.select[start:start + PROBE_CHUNK]
         width = int(select.any(dim=0).nonzero().max()) + 1
-        parts.append(logits_at(model, probe.input_ids[start:start + PROBE_CHUNK, :width].to(device),
-                               select[:, :width].to(device), probe.prefix_len).cpu())
+        ids, select = probe.input_ids[start:start + PROBE_CHUNK, p:width].to(device), select[:, p:width].to(device)
+        parts.append((logits_after(model, prefix, ids, select) if p else logits_at(model, ids, select)).cpu())
     logp = torch.log_softmax(torch.cat(parts) / temperature, dim=-1)
     model.train(was_training)
     return {**control_token_stats(logp, probe.slot_of, token_ids),
