@@ -120,31 +120,6 @@ def test_nonfinite_guard_skips_the_step(tiny_model, tokenizer, rollouts):
 # ----------------------------------------------------------------------------- resume
 
 
-@pytest.fixture(scope="module")
-def answering_checkpoint(tmp_path_factory, tiny_model, tokenizer, world):
-    """The tiny model after 12 SFT steps on `question -> "The answer is 7."`: some of its turns are
-    healthy answers and some are not, so `grpo.format_reward` makes groups informative."""
-    import copy
-    import random
-
-    from toolcollapse.chat import PieceEncoder
-    from toolcollapse.config import SFTConfig
-    from toolcollapse.records import Message
-    from toolcollapse.sft import Phase, train_phase
-
-    model = copy.deepcopy(tiny_model).train()
-    encoder = PieceEncoder(tokenizer)
-    examples = [encoder.encode_conversation([t.prompt[-1], Message("assistant", "The answer is 7.")])
-                for t in world.tasks("train")[:200]]
-    torch.manual_seed(0)
-    train_phase(model, Phase("answer", examples, 12, 16, 1), SFTConfig(lr=1e-2, warmup_steps=3, schedule="constant"),
-                random.Random(0), tokenizer.pad_token_id, 0, dict, lambda record: None)
-    path = tmp_path_factory.mktemp("answering")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 def _rl_config(tmp_path, init, **grpo):
     cfg = RunConfig(
         seed=3, init=str(init), world=WorldConfig(n_train=40, n_test=4, n_ood=4),

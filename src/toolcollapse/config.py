@@ -259,11 +259,36 @@ class GRPOConfig(Checked):
 
 
 @dataclass(frozen=True)
+class OPSConfig(Checked):
+    """Off-policy supervision: `rows` of each group are the task's ground truth, run through the environment."""
+
+    enabled: bool = False
+    rows: Count = 1  # expert rows per group (the paper: 1 of 8)
+    # luffy: their tokens' loss is -A * p / (p + gamma) of the current probability, no ratio, no clip (the
+    # paper's text, LUFFY); none: the clipped surrogate, old log-probs from a forward pass (the released code)
+    shaping: Literal["luffy", "none"] = "luffy"
+    gamma: Positive = 0.1
+
+
+@dataclass(frozen=True)
+class HBGConfig(Checked):
+    """Hint-based guidance: `rows` of each group sample with a hint in the system message, train without it."""
+
+    enabled: bool = False
+    rows: Count = 2  # hinted rows per group (the paper: 2 of 8)
+    # format: the call-format reminder; plan: + the tools to call, in order; calls: + the first `calls` calls
+    level: Literal["format", "plan", "calls"] = "plan"
+    calls: Count = 1
+
+
+@dataclass(frozen=True)
 class SupervisionConfig(Checked):
     """Supervision signals mixed into GRPO (supervision.py); each off by default, so plain GRPO is unchanged."""
 
     sft_coef: NonNegative = 0.0  # synchronous SFT term: + sft_coef * NLL of the step's tasks' ground truth
     unlikelihood_coef: NonNegative = 0.0  # + coef * -log(1 - p) at the first rejected control token of failed turns
+    ops: OPSConfig = field(default_factory=OPSConfig)
+    hbg: HBGConfig = field(default_factory=HBGConfig)
 
 
 @dataclass(frozen=True)
@@ -338,6 +363,11 @@ def rl_problems(cfg: RunConfig) -> list[str]:
         problems.append(f"rollout.top_p: {cfg.rollout.top_p:g} < 1 is for evaluation only; RL samples from the "
                         "full distribution, because the update's log-probs (the importance ratio's numerator) "
                         "are the untruncated policy's")
+    s, g = cfg.supervision, cfg.grpo.group_size
+    own = (s.ops.rows if s.ops.enabled else 0) + (s.hbg.rows if s.hbg.enabled else 0)
+    if own >= g:
+        problems.append(f"supervision: {own} expert (ops.rows) and hinted (hbg.rows) rows leave none of "
+                        f"grpo.group_size={g} to sample on-policy; lower them or raise the group size")
     return problems
 
 

@@ -1,7 +1,6 @@
-"""Losses as pure functions of tensors.
-
-Later stages add the GRPO/PPO policy loss, KL estimators, LUFFY shaping and
-unlikelihood here; each takes tensors and returns a scalar plus a small stats record.
+"""Losses as pure functions of tensors: SFT's cross-entropy, GRPO's clipped surrogate, the k3
+KL estimator, LUFFY's shaping of off-policy tokens and unlikelihood; each takes tensors and
+returns per-token values or a scalar (plus a small stats record where it has one).
 """
 
 from __future__ import annotations
@@ -72,6 +71,15 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
             ratio_max=ratio.max().item() if ratio.numel() else 1.0,
         )
     return -objective, stats
+
+
+def luffy_loss(logp: torch.Tensor, advantages: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Per-token loss of off-policy (expert) tokens under LUFFY's policy shaping (arXiv 2504.14945):
+    -A * f(p), f(p) = p / (p + gamma), p the current probability; no behaviour-policy ratio, no clip.
+    Its gradient, -A * gamma * p / (p + gamma)^2 * grad log p, stays large where p is small and fades
+    as p -> 1, so rare expert tokens are learnt without the ratio's blow-up."""
+    p = logp.exp()
+    return -advantages * p / (p + gamma)
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:

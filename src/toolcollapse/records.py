@@ -138,20 +138,23 @@ class PolicyBatch:
     old_logp: "torch.Tensor"  # [N, T] sampling log-prob where target_mask, else 0
     advantages: "torch.Tensor"  # [N] one per episode, broadcast over its tokens
     unlikely: "torch.Tensor | None" = None  # [N, T] bool: sampled control tokens the grammar rejected
+    expert: "torch.Tensor | None" = None  # [N] bool: off-policy rows (OPS's ground truth), shaped apart
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
     def rows(self, index: "slice | torch.Tensor") -> "PolicyBatch":
         return PolicyBatch(self.input_ids[index], self.target_mask[index], self.old_logp[index],
-                           self.advantages[index], None if self.unlikely is None else self.unlikely[index])
+                           self.advantages[index], None if self.unlikely is None else self.unlikely[index],
+                           None if self.expert is None else self.expert[index])
 
     def to(self, device: "torch.device | str") -> "PolicyBatch":
         return PolicyBatch(self.input_ids.to(device), self.target_mask.to(device), self.old_logp.to(device),
-                           self.advantages.to(device), None if self.unlikely is None else self.unlikely.to(device))
+                           self.advantages.to(device), None if self.unlikely is None else self.unlikely.to(device),
+                           None if self.expert is None else self.expert.to(device))
 
     def trimmed(self) -> "PolicyBatch":
         """Without the columns after the last sampled token of any row (they change no log-prob)."""
         width = int(self.target_mask.any(dim=0).nonzero().max()) + 1 if self.target_mask.any() else 1
         return PolicyBatch(self.input_ids[:, :width], self.target_mask[:, :width], self.old_logp[:, :width],
-                           self.advantages, None if self.unlikely is None else self.unlikely[:, :width])
+                           self.advantages, None if self.unlikely is None else self.unlikely[:, :width], self.expert)

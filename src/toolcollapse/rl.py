@@ -58,7 +58,7 @@ from toolcollapse.config import (ConfigError, RunConfig, checkpoint_problems, du
                                  rl_problems)
 from toolcollapse.envs import make_env
 from toolcollapse.evaluate import sampling_params
-from toolcollapse.losses import aggregate, kl_k3, ppo_clip_loss, unlikelihood
+from toolcollapse.losses import aggregate, kl_k3, luffy_loss, ppo_clip_loss, unlikelihood
 from toolcollapse.parser import first_rejected_control
 from toolcollapse.model import (device_of, load_model, load_tokenizer, logits_at, place, resolve_device,
                                 shared_prefix_len)
@@ -70,7 +70,7 @@ from toolcollapse.records import CallEnd, Episode, ErrorType, PolicyBatch, Task,
 from toolcollapse.rewards import rewards_tensor
 from toolcollapse.rollout import RolloutEngine
 from toolcollapse.sft import encode_tasks
-from toolcollapse.supervision import SFTTerm, StepSupervision, sft_tokens_so_far
+from toolcollapse.supervision import SFTTerm, StepSupervision, group_rollouts, sft_tokens_so_far
 from toolcollapse.runtime import (append_jsonl, check_new_run_dir, clear_run_dir, progress, read_jsonl, seed_everything,
                                   set_threads)
 
@@ -81,8 +81,10 @@ RUN_CONFIG = "config.yaml"
 
 
 def build_batch(episodes: Sequence[Episode], advantages: torch.Tensor, pad_id: int,
-                device: torch.device | str = "cpu", unlikely: Sequence[Sequence[int]] | None = None) -> PolicyBatch:
-    """The rollouts as right-padded tensors; `unlikely`: per episode, positions of tokens to push down."""
+                device: torch.device | str = "cpu", unlikely: Sequence[Sequence[int]] | None = None,
+                expert: Sequence[bool] | None = None) -> PolicyBatch:
+    """The rollouts as right-padded tensors; `unlikely`: per episode, positions of tokens to push down;
+    `expert`: per episode, whether it is an off-policy row whose tokens the update shapes apart."""
     width = max(len(ep.tokens) for ep in episodes)
     n = len(episodes)
     ids = torch.full((n, width), pad_id, dtype=torch.long)
@@ -98,7 +100,8 @@ def build_batch(episodes: Sequence[Episode], advantages: torch.Tensor, pad_id: i
         marked = torch.zeros((n, width), dtype=torch.bool)
         for i, positions in enumerate(unlikely):
             marked[i, list(positions)] = True
-    return PolicyBatch(ids, mask, old, advantages.float(), marked).to(device)
+    rows = None if expert is None else torch.tensor(list(expert), dtype=torch.bool)
+    return PolicyBatch(ids, mask, old, advantages.float(), marked, rows).to(device)
 
 
 def unlikely_positions(episodes: Sequence[Episode], id_to_tag: dict[int, str], call_end: CallEnd) -> list[list[int]]:
@@ -146,14 +149,17 @@ class UpdateStats:
 
 def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torch.optim.Optimizer,
                 batch: PolicyBatch, cfg: Any, collect: list | None = None, temperature: float = 1.0,
-                extra: Callable[[], bool] | None = None, unlikelihood_coef: float = 0.0) -> UpdateStats:
+                extra: Callable[[], bool] | None = None, unlikelihood_coef: float = 0.0,
+                luffy_gamma: float = 0.0) -> UpdateStats:
     """One optimizer step over the whole batch, in micro-batches (gradient accumulation).
 
     `collect`, if given, receives (targets, logp, old_logp, entropy) [M] per micro-batch,
     detached: the monitor's statistics come from this forward at no extra cost. `extra`, if
     given, adds another loss's gradient to the same step (a supervision term) and returns
     whether that loss was finite. `unlikelihood_coef` > 0 adds coef * mean -log(1 - p) over the
-    batch's `unlikely` tokens, from the same forward."""
+    batch's `unlikely` tokens, from the same forward. `luffy_gamma` > 0: the tokens of the batch's
+    `expert` rows take LUFFY's shaped loss -A * p / (p + gamma) instead of the clipped surrogate
+    (and stay out of `collect`: the policy did not sample them)."""
     n_tokens, n_seqs = int(batch.target_mask.sum()), len(batch)
     n_unlikely = int(batch.unlikely.sum()) if unlikelihood_coef > 0 and batch.unlikely is not None else 0
     sums: Counter[str] = Counter()
@@ -164,6 +170,9 @@ def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torc
         seq_ids = mb.target_mask.nonzero()[:, 0]  # [M] row of each sampled token
         adv = mb.advantages[seq_ids]
         pg, pg_stats = ppo_clip_loss(logp, old, adv, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
+        off = mb.expert[seq_ids] if mb.expert is not None else None  # [M] tokens of off-policy rows
+        if luffy_gamma > 0 and off is not None:
+            pg = torch.where(off, luffy_loss(logp, adv, luffy_gamma), pg)
         per_token = pg
         kl = torch.zeros_like(logp)
         if ref_logp is not None:
@@ -176,7 +185,8 @@ def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torc
             total = loss + unlikelihood_coef * ul.sum() / n_unlikely
             sums["unlikelihood"] += ul.sum().item()
         if collect is not None:
-            collect.append((mb.input_ids[mb.target_mask], logp.detach(), old, entropy.detach()))
+            own = slice(None) if off is None else ~off
+            collect.append((mb.input_ids[mb.target_mask][own], logp.detach()[own], old[own], entropy.detach()[own]))
         finite &= bool(torch.isfinite(total))
         if finite:
             total.backward()
@@ -218,7 +228,10 @@ def policy_step(model: Any, ref_model: Any | None, optimizer: torch.optim.Optimi
     advantages, adv_stats = group_advantages(rewards, g.group_size, g.scale_adv_by_std)
     if g.skip_uninformative_steps and adv_stats.frac_groups_informative == 0:
         return {**asdict(adv_stats), "skipped_uninformative": 1, "skipped_nonfinite": 0}
-    batch = build_batch(episodes, advantages, pad_id, device_of(model), sup.unlikely)
+    batch = build_batch(episodes, advantages, pad_id, device_of(model), sup.unlikely,
+                        [k == "expert" for k in sup.kinds] if sup.kinds else None)
+    if sup.kinds and any(k != "policy" for k in sup.kinds):  # hinted and expert rows: old log-probs of this policy
+        recompute_old_logprobs(model, batch, [i for i, k in enumerate(sup.kinds) if k != "policy"], g, temperature)
     share = grad_share(model, batch, g, control_ids, grad_share_rows, temperature) if grad_share_rows else {}
     ref_logp = (reference_logprobs(ref_model, batch, g, temperature) if ref_model is not None else None)
     collected: list = []  # per-token tensors of the last update's forward, for the control-token statistics
@@ -230,7 +243,8 @@ def policy_step(model: Any, ref_model: Any | None, optimizer: torch.optim.Optimi
 
     updates = [grpo_update(model, ref_logp, optimizer, batch, g, collect=collected if k == g.updates_per_batch - 1
                            else None, temperature=temperature, extra=add_sft_term if sup.sft else None,
-                           unlikelihood_coef=sup.unlikelihood_coef) for k in range(g.updates_per_batch)]
+                           unlikelihood_coef=sup.unlikelihood_coef, luffy_gamma=sup.luffy_gamma)
+               for k in range(g.updates_per_batch)]
     if sup.sft:
         terms["sup/sft_tokens"] *= g.updates_per_batch  # tokens trained on in this step's optimizer steps
     last = asdict(updates[-1])
@@ -252,6 +266,19 @@ def grad_share(model: Any, batch: PolicyBatch, g: Any, control_ids: dict[str, in
     pg, _ = ppo_clip_loss(logp, mb.old_logp[mb.target_mask], adv, g.clip_low, g.clip_high, g.dual_clip)
     is_ctrl = torch.isin(mb.input_ids[mb.target_mask], torch.tensor(list(control_ids.values()), device=logp.device))
     return control_gradient_share(pg, is_ctrl, [p for p in model.parameters() if p.requires_grad])
+
+
+@torch.no_grad()
+def recompute_old_logprobs(model: Any, batch: PolicyBatch, rows: Sequence[int], g: Any,
+                           temperature: float = 1.0) -> None:
+    """Set the old log-probs of `rows` (hinted rows on their hint-free prompt, expert rows) to the
+    current policy's, by a forward pass: their first update's ratio is then 1."""
+    index = torch.tensor(list(rows), device=batch.input_ids.device)
+    old = batch.old_logp[index]
+    for start in range(0, len(index), g.micro_batch_size):
+        part = batch.rows(index[start:start + g.micro_batch_size])
+        old[start:start + len(part)][part.target_mask] = policy_logprobs(model, part, temperature)[0]
+    batch.old_logp[index] = old
 
 
 @torch.no_grad()
@@ -292,10 +319,26 @@ def rollout_stats(episodes: Sequence[Episode]) -> dict[str, float]:
     return out
 
 
-def sample_records(step: int, episodes: Sequence[Episode], rewards: torch.Tensor, decode, n: int):
-    for ep, r in list(zip(episodes, rewards.tolist()))[:n]:
-        yield {"step": step, "task_id": ep.task_id, "reward": r, "finish": ep.finish,
-               "states": [s.value for s in ep.states],
+def row_kind_stats(episodes: Sequence[Episode], kinds: Sequence[str]) -> dict[str, float]:
+    """`rollout_stats` of the policy's own rows; the success of hinted and expert rows apart."""
+    out = rollout_stats([ep for ep, k in zip(episodes, kinds) if k == "policy"])
+    for kind in ("hinted", "expert"):
+        rows = [ep for ep, k in zip(episodes, kinds) if k == kind]
+        if rows:
+            out[f"sup/{kind}_success"] = sum(ep.success for ep in rows) / len(rows)
+    return out
+
+
+def sample_records(step: int, episodes: Sequence[Episode], rewards: torch.Tensor, decode, n: int,
+                   kinds: Sequence[str] = ()):
+    """The first `n` rollouts of the step, and the first group's hinted and expert rows, marked as such."""
+    kinds = list(kinds) or ["policy"] * len(episodes)
+    group = len(episodes) // max(1, len({ep.task_id for ep in episodes}))
+    picked = [i for i in range(len(episodes)) if i < n or (i < group and kinds[i] != "policy")]
+    for i in picked:
+        ep = episodes[i]
+        yield {"step": step, "task_id": ep.task_id, "reward": float(rewards[i]), "finish": ep.finish,
+               "states": [s.value for s in ep.states], **({"kind": kinds[i]} if kinds[i] != "policy" else {}),
                "text": decode(ep.tokens[ep.prompt_len:])}
 
 
@@ -436,7 +479,7 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
             last_val = f"{probe_stats['val/success']:.2f} ({probe_stats['seconds_val']:.0f}s)"
         t0 = time.time()
         tasks = tasks_for_step(order, step, g.prompts_per_step)
-        episodes = engine.generate(tasks, params, group_size=g.group_size, seed=cfg.seed * 1_000_003 + step)
+        episodes, kinds = group_rollouts(engine, tasks, params, g.group_size, s, seed=cfg.seed * 1_000_003 + step)
         t_rollout = time.time()
         lr = lr_at(step, g.lr, g.warmup_steps, g.steps, g.min_lr_ratio, g.schedule)
         set_lr(optimizer, lr)
@@ -445,18 +488,20 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
         sup = StepSupervision(
             sft_term, encode_tasks(engine.encoder, tasks, cfg.rollout.call_end) if sft_term else (),
             s.unlikelihood_coef,
-            unlikely_positions(episodes, engine.id_to_tag, cfg.rollout.call_end) if s.unlikelihood_coef else None)
+            unlikely_positions(episodes, engine.id_to_tag, cfg.rollout.call_end) if s.unlikelihood_coef else None,
+            kinds if set(kinds) != {"policy"} else (), s.ops.gamma if s.ops.enabled and s.ops.shaping == "luffy" else 0.0)
         update_stats = policy_step(model, ref_model, optimizer, episodes, rewards, g, tokenizer.pad_token_id,
                                    probe_tokens, share_rows, cfg.rollout.temperature, sup)
         if "sup/sft_tokens" in update_stats:
             sft_tokens_total += update_stats["sup/sft_tokens"]
             update_stats["sup/sft_tokens_total"] = sft_tokens_total
-        metrics = {"step": step, "lr": lr, **probe_stats, **update_stats, **rollout_stats(episodes),
+        metrics = {"step": step, "lr": lr, **probe_stats, **update_stats, **row_kind_stats(episodes, kinds),
                    "seconds": time.time() - t_probe, "seconds_probe": t_val - t_probe,
                    "seconds_rollout": t_rollout - t0, "seconds_update": time.time() - t_rollout}
         alarms = watcher.update(step, metrics)
         metrics["alarms_total"] = len(watcher.alarms)
-        _log(run_dir, writer, metrics, sample_records(step, episodes, rewards, engine.decode, g.samples_per_step))
+        _log(run_dir, writer, metrics,
+             sample_records(step, episodes, rewards, engine.decode, g.samples_per_step, kinds))
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", healthy=f"{metrics['healthy_rate']:.2f}",
                         informative=f"{metrics['frac_groups_informative']:.2f}", alarms=len(watcher.alarms),

@@ -37,8 +37,8 @@ from typing import Any, Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from toolcollapse.chat import (ENDOFTEXT, CONTROL_TAGS, PieceEncoder, conversation_pieces, generation_prompt,
-                               message_pieces, stop_tags, turn_suffix)
+from toolcollapse.chat import (ENDOFTEXT, CONTROL_TAGS, PieceEncoder, assistant_body, conversation_pieces,
+                               generation_prompt, message_pieces, stop_tags, turn_suffix)
 from toolcollapse.attention import cascade, causal_mask
 from toolcollapse.envs.base import Environment, EpisodeState
 from toolcollapse.kvcache import add_rows, append_only_cache, cascade_cache, prefix_kv, take_rows
@@ -128,11 +128,43 @@ class RolloutEngine:
             if bar is not None:
                 bar.close()
 
+    def prompt_ids(self, task: Task) -> list[int]:
+        """The ids an episode of `task` starts with: its prompt and the assistant's generation prompt."""
+        return self.encoder.encode(conversation_pieces(task.prompt, add_generation_prompt=True))[0]
+
+    def replay(self, tasks: Sequence[Task], params: SamplingParams) -> list[Episode]:
+        """Each task's ground-truth trajectory as an episode, as if the policy had written it (OPS's
+        expert rows): its assistant turns are fed one per turn, each encoded as the policy would sample
+        it (stop token included; loss-masked like sampled tokens, log-prob 0.0 for the caller to fill),
+        parsed and answered by the environment -- the observations come from really running the calls --
+        under the same turn, token and length limits as `generate`."""
+        episodes = []
+        for task in tasks:
+            prompt = self.prompt_ids(task)
+            row = _Row(Episode(task.id, list(prompt), [0] * len(prompt), [0.0] * len(prompt), len(prompt)),
+                       self.env.reset(task))
+            ep = row.episode
+            turns = [m for m in task.reference if m.role == "assistant"]
+            for k, message in enumerate(turns[:params.max_turns]):
+                ids = self.encoder.encode(assistant_body(message, self.call_end))[0][:params.max_new_tokens]
+                ids = ids[:max(1, params.max_seq_len - len(ep.tokens))]
+                ep.tokens += ids
+                ep.loss_mask += [1] * len(ids)
+                ep.logprobs += [0.0] * len(ids)
+                row.turn_ids = ids
+                if self._finish_turn([row], k == params.max_turns - 1, params.max_seq_len)[0] is None:
+                    break
+            else:  # the environment asked for more than the ground truth has
+                ep.finish = "malformed"
+            ep.success = self.env.success(row.state)
+            episodes.append(ep)
+        return episodes
+
     # ------------------------------------------------------------------ internals
 
     def _generate_batch(self, tasks: Sequence[Task], params: SamplingParams, group_size: int,
                         generator: torch.Generator) -> list[Episode]:
-        prompts = [self.encoder.encode(conversation_pieces(t.prompt, add_generation_prompt=True))[0] for t in tasks]
+        prompts = [self.prompt_ids(t) for t in tasks]
         too_long = [t.id for t, p in zip(tasks, prompts) if len(p) >= params.max_seq_len]
         if too_long:
             raise ValueError(f"prompts of {too_long[:3]} exceed max_seq_len={params.max_seq_len}; raise it")

@@ -15,16 +15,38 @@ the first control token the grammar rejects (`parser.first_rejected_control`: `<
 inside a call, a stray `</tool_call>`, `<tool_response>` ...) adds
 `unlikelihood_coef * -log(1 - p)` (mean over such tokens of the batch), computed from the
 update's own forward: the collapse's spike pushed down where it happened.
+
+Two signals change the rows of a GRPO group (`group_rollouts`); a group of G is, in order,
+the policy's own samples, then HBG's hinted rows, then OPS's expert rows:
+
+- OPS (off-policy supervision): `ops.rows` of each group are the task's ground-truth
+  trajectory, fed turn by turn through the environment (`RolloutEngine.replay`: real
+  observations, the same encoder, masks and limits) and rewarded like the others; the
+  advantages are over the mixed group. Their tokens' loss is LUFFY's shaped -A * p/(p + gamma)
+  (`ops.shaping: luffy`, the paper's text) or the clipped surrogate with old log-probs from a
+  forward pass (`none`, the released scripts).
+- HBG (hint-based guidance): `hbg.rows` of each group sample with a hint appended to the system
+  message (`hint`: templated from the ground truth -- the format reminder, the tools to call,
+  the first calls -- never the answer); the update trains those rows on the hint-free prompt
+  (`without_hint`), their old log-probs recomputed there, so their first ratio is 1.
+
+Rows that are not the policy's own (hinted, expert) do not count in the training success the
+step reports (`success`, `healthy_rate`, the states: on-policy rows only); theirs is logged
+apart (`sup/expert_success`, `sup/hinted_success`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import torch.nn.functional as F
 
+from toolcollapse.records import Episode, Message, Task
 from toolcollapse.sft import Example, batch_logits
+
+RowKind = Literal["policy", "hinted", "expert"]
 
 
 @dataclass(frozen=True)
@@ -55,9 +77,96 @@ class StepSupervision:
     sft_examples: Sequence[Example] = ()  # the ground truth of the step's tasks
     unlikelihood_coef: float = 0.0
     unlikely: Sequence[Sequence[int]] | None = None  # per rollout: positions of rejected control tokens
+    kinds: Sequence[RowKind] = ()  # per rollout, when some are not the policy's own (HBG, OPS)
+    luffy_gamma: float = 0.0  # > 0: expert rows take LUFFY's shaped loss (ops.shaping luffy)
 
 
 def sft_tokens_so_far(rows: Sequence[dict[str, Any]]) -> float:
     """The running total of SFT tokens in a run's metric rows (0 before any)."""
     return next((r["sup/sft_tokens_total"] for r in reversed(rows) if "sup/sft_tokens_total" in r), 0.0)
 
+
+
+# ----------------------------------------------------------------------------- HBG: hints
+
+
+FORMAT_HINT = ("Hint: make one tool call per turn, a JSON object within <tool_call></tool_call> tags; "
+               "once the tools have given you what you need, reply with the answer alone.")
+
+
+def hint(task: Task, level: str = "plan", calls: int = 1) -> str:
+    """The hint HBG appends to the system message, templated from the ground truth (no LLM). `format`:
+    the call-format reminder; `plan`: and the tools to call, in order; `calls`: and the first `calls`
+    ground-truth calls. A call whose JSON holds the answer is never shown, nor any after it."""
+    tool_calls = [m.tool_call for m in task.reference if m.role == "assistant" and m.tool_call is not None]
+    lines = [FORMAT_HINT]
+    if level in ("plan", "calls") and tool_calls:
+        lines.append("Plan: call " + ", then ".join(c.name for c in tool_calls) + ".")
+    if level == "calls":
+        shown = []
+        for call in tool_calls[:calls]:
+            if task.answer and task.answer in call.to_json():
+                break
+            shown.append(f"<tool_call>\n{call.to_json()}\n</tool_call>")
+        if shown:
+            lines.append("Start with:\n" + "\n".join(shown))
+    return "\n".join(lines)
+
+
+def with_hint(task: Task, text: str) -> Task:
+    """The task with `text` appended to its system message (a new one first if it has none)."""
+    prompt = list(task.prompt)
+    if prompt and prompt[0].role == "system":
+        prompt[0] = Message("system", f"{prompt[0].content}\n\n{text}")
+    else:
+        prompt.insert(0, Message("system", text))
+    return dataclasses.replace(task, prompt=tuple(prompt))
+
+
+def without_hint(episode: Episode, prompt: Sequence[int]) -> Episode:
+    """A hinted episode re-based on the hint-free `prompt` ids: the same sampled turns and
+    observations after it, turn records shifted; log-probs zeroed (to be recomputed there)."""
+    shift = len(prompt) - episode.prompt_len
+    rest = slice(episode.prompt_len, None)
+    return dataclasses.replace(
+        episode, tokens=list(prompt) + episode.tokens[rest], loss_mask=[0] * len(prompt) + episode.loss_mask[rest],
+        logprobs=[0.0] * (len(prompt) + len(episode.tokens) - episode.prompt_len), prompt_len=len(prompt),
+        turns=[dataclasses.replace(t, start=t.start + shift, end=t.end + shift) for t in episode.turns])
+
+
+# ----------------------------------------------------------------------------- the rows of a group
+
+
+def group_rollouts(engine: Any, tasks: Sequence[Task], params: Any, group_size: int, s: Any,
+                   seed: int) -> tuple[list[Episode], list[RowKind]]:
+    """G rows per task, groups contiguous: the policy's samples, then hinted rows (HBG, re-based on the
+    hint-free prompt), then expert rows (OPS); and each row's kind. With both signals off this is
+    `engine.generate(tasks, params, group_size, seed)` exactly."""
+    n_expert = s.ops.rows if s.ops.enabled else 0
+    n_hinted = s.hbg.rows if s.hbg.enabled else 0
+    n_policy = group_size - n_expert - n_hinted
+    if not n_hinted:
+        sampled = engine.generate(tasks, params, group_size=n_policy, seed=seed)
+    else:  # one batch: each task n_policy times, then its hinted copy n_hinted times
+        hinted = [with_hint(t, hint(t, s.hbg.level, s.hbg.calls)) for t in tasks]
+        rows = [x for t, h in zip(tasks, hinted) for x in [t] * n_policy + [h] * n_hinted]
+        sampled = engine.generate(rows, params, group_size=1, seed=seed)
+        prompts = {t.id: engine.prompt_ids(t) for t in tasks}
+        sampled = [without_hint(ep, prompts[ep.task_id]) if i % (n_policy + n_hinted) >= n_policy else ep
+                   for i, ep in enumerate(sampled)]
+    experts = engine.replay(tasks, params) if n_expert else []
+    episodes: list[Episode] = []
+    kinds: list[RowKind] = []
+    per = n_policy + n_hinted
+    for i, task in enumerate(tasks):
+        episodes += sampled[i * per:(i + 1) * per]
+        kinds += ["policy"] * n_policy + ["hinted"] * n_hinted
+        for _ in range(n_expert):
+            episodes.append(_copy(experts[i]))
+            kinds.append("expert")
+    return episodes, kinds
+
+
+def _copy(episode: Episode) -> Episode:
+    return dataclasses.replace(episode, tokens=list(episode.tokens), loss_mask=list(episode.loss_mask),
+                               logprobs=list(episode.logprobs), turns=list(episode.turns))
