@@ -24,7 +24,8 @@ the policy's own samples, then HBG's hinted rows, then OPS's expert rows:
   observations, the same encoder, masks and limits) and rewarded like the others; the
   advantages are over the mixed group. Their tokens' loss is LUFFY's shaped -A * p/(p + gamma)
   (`ops.shaping: luffy`, the paper's text) or the clipped surrogate with old log-probs from a
-  forward pass (`none`, the released scripts).
+  forward pass (`none`, the released scripts). The KL term to the reference covers their tokens
+  too, and the monitor's update-forward statistics (`ctrl/*`) leave them out.
 - HBG (hint-based guidance): `hbg.rows` of each group sample with a hint appended to the system
   message (`hint`: templated from the ground truth -- the format reminder, the tools to call,
   the first calls -- never the answer); the update trains those rows on the hint-free prompt
