@@ -192,3 +192,15 @@ def test_a_sweep_refuses_to_resume_runs_under_a_changed_config(tmp_path, tiny_ch
     before = tree(tmp_path / "study")
     refused(cli("sweep", str(path)), "grpo.lr=0.0005", "another out_dir")
     assert tree(tmp_path / "study") == before
+
+
+def test_sweep_only_names_settings_of_the_file(tmp_path, tiny_checkpoint):
+    import yaml
+
+    sweep = {"base": "configs/tiny_rl.yaml", "init": str(tiny_checkpoint), "out_dir": str(tmp_path / "study"),
+             "seeds": [0], "settings": {"hot": {"grpo.lr": 1.0e-3}, "cold": {"grpo.lr": 1.0e-5}}}
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    refused(cli("sweep", str(path), "--only", "hot,warm"), "--only: 'warm' is not a setting")
+    table = cli("sweep", str(path), "--only", "cold", "--summary-only")
+    assert table.returncode == 0 and "| cold | 0 | not run |" in table.stdout and "hot" not in table.stdout

@@ -14,7 +14,8 @@ from toolcollapse.config import GRPOConfig, RunConfig, WorldConfig, dump_config
 from toolcollapse.rl import build_batch, grpo_update, policy_logprobs
 from toolcollapse.rollout import RolloutEngine, SamplingParams
 
-TIMING_KEYS = {"seconds", "seconds_probe", "seconds_val", "seconds_rollout", "seconds_update"}
+TIMING_KEYS = {"seconds", "seconds_probe", "seconds_val", "seconds_rollout", "seconds_update", "ets/seconds",
+               "adaptive/seconds"}
 
 
 @pytest.fixture(scope="module")

@@ -89,3 +89,31 @@ def test_paired_comparison_sign_test():
     assert (r["eval_gained"], r["eval_lost"]) == (6, 0)
     assert r["eval_p_value"] == pytest.approx(2 / 64)
     assert paired_comparison([True, False], [True, False])["eval_p_value"] == 1.0
+
+
+def test_the_method_table_aggregates_seeds_and_counts_sft_tokens_and_time(tmp_path):
+    """Per setting: mean ± sd (sample) over seeds of each split's success, the healthy rate's smoothed
+    min, SFT tokens and wall time from the metrics (RL) or the phases (sft_only, which has no RL)."""
+    from toolcollapse.sweep import format_method_table
+
+    rows = []
+    for seed, (success, ood) in enumerate([(0.30, 0.10), (0.40, 0.20)]):
+        run = tmp_path / f"ets{seed}"
+        run.mkdir()
+        write_jsonl(run / "metrics.jsonl", [
+            {"step": i, "healthy_rate": h, "reward_mean": 0.5, "frac_groups_informative": 1.0, "seconds": 30.0,
+             "sup/sft_tokens_total": 100.0 * (i + 1)} for i, h in enumerate([0.9, 0.8, 0.9])])
+        write_jsonl(run / "phases.jsonl", [{"step": 1, "phase": "ets", "phase/tokens": 200.0, "phase/seconds": 60.0}])
+        rows.append({"setting": "ets", "seed": seed, **summarize_run(run, 3, 3), "eval_success": success, "eval_n": 200,
+                     "ood_content/eval_success": ood})
+    only = tmp_path / "only"
+    only.mkdir()
+    write_jsonl(only / "phases.jsonl", [{"step": 3, "phase": "sft_only", "phase/tokens": 300.0, "phase/seconds": 6.0}])
+    rows.append({"setting": "sft_only", "seed": 0, **summarize_run(only, 3, 3), "eval_success": 0.5, "eval_n": 200})
+    assert rows[0]["sft_tokens"] == 300.0 and rows[0]["wall_s"] == 150.0  # 3 steps x 30 s + the phase's 60 s
+    table = format_method_table(rows, ["test", "ood_content"], {"test": 0.425})
+    lines = table.splitlines()
+    assert lines[2] == "| start | - | - | - | - | 42.5 | - | 0 | 0 |"
+    assert lines[3] == "| ets | 2 | 85.0 ± 0.0 | 86.7 ± 0.0 | 0/2 | 35.0 ± 7.1 | 15.0 ± 7.1 | 300 | 2.5 |"
+    assert lines[4] == "| sft_only | 1 | - | - | no RL | 50.0 | - | 300 | 0.1 |"
+    assert "no RL (sft_only)" in format_table(rows)

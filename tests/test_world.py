@@ -125,3 +125,18 @@ def test_oracle_turns_parse_healthy_from_their_tokens(world, tokenizer):
                 assert parsed.errors == ()
                 assert parsed.state == (TurnState.HEALTHY_CALL if msg.tool_call else TurnState.HEALTHY_RESPONSE)
                 assert parsed.call == msg.tool_call
+
+
+def test_the_content_shift_one_axis_at_a_time(world):
+    """ood_entities: unseen names in trained templates; ood_compositions: trained names in unseen
+    templates of at most 5 calls; ood_chains: trained names in the 6-call unseen templates."""
+    ood_names = {e.name for e in world.kb.entities.values() if e.pool == "ood"}
+    main_names = {e.name for e in world.kb.entities.values() if e.pool == "main"}
+    entities, compositions, chains = (world.tasks(s) for s in ("ood_entities", "ood_compositions", "ood_chains"))
+    assert all(t.meta["pool"] == "ood" and t.meta["template"] in TRAIN_TEMPLATES for t in entities)
+    assert any(name in entities[0].prompt[1].content for name in ood_names)
+    for tasks, calls_range in ((compositions, range(2, 6)), (chains, range(6, 7))):
+        assert all(t.meta["pool"] == "main" and t.meta["template"] in OOD_TEMPLATES for t in tasks)
+        assert all(t.meta["n_calls"] in calls_range for t in tasks)
+        assert any(name in tasks[0].prompt[1].content for name in main_names)
+    assert len({t.meta["template"] for t in compositions}) == 3 and len({t.meta["template"] for t in chains}) == 2

@@ -192,6 +192,12 @@ class Watcher:
         self.alarms.extend(new)
         return new
 
+    def rearm(self) -> None:
+        """Fresh detectors that may fire again (after a recovery: the series start from a new reference);
+        the alarms so far stay in `alarms`."""
+        self._detectors = [r.make() for r in self.rules]
+        self._fired.clear()
+
 
 def replay(rules: Iterable[Rule], rows: Iterable[Mapping[str, Any]]) -> list[Alarm]:
     """The alarms a run with these rules raised (or would have), from its metric rows."""

@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a sweep field, e.g. --set workers=1")
     p.add_argument("--summary-only", action="store_true", help="print the table of the runs already there")
+    p.add_argument("--only", metavar="SETTING[,SETTING]", help="run (and tabulate) these settings only; "
+                   "the others' runs stay as they are")
 
     p = sub.add_parser("diagnose", help="alarms, collapse step and figures of a run; the lead-time table of a "
                        "sweep; four-state rates of another trainer's dumped rollouts")
@@ -165,14 +167,24 @@ def _prepare(args: argparse.Namespace) -> Callable[[], None]:
     """Validate everything the command needs -- config, paths, packages, its output directory --
     and return the work itself; a ConfigError here means nothing was done."""
     if args.command == "sweep":
-        from toolcollapse.sweep import format_table, load_sweep, run_sweep, summarize_runs
+        from toolcollapse.sweep import (eval_splits, format_method_table, format_table, load_sweep, run_sweep,
+                                         start_success, summarize_runs)
 
         sweep, specs = load_sweep(args.sweep_file, args.overrides)
+        if args.only:
+            chosen = args.only.split(",")
+            unknown = sorted(set(chosen) - {s.setting for s in specs})
+            if unknown:
+                raise ConfigError(f"--only: {unknown[0]!r} is not a setting of {args.sweep_file}")
+            specs = [s for s in specs if s.setting in chosen]
 
         def run_and_summarize() -> None:
             if not args.summary_only:
                 run_sweep(sweep, specs)
-            print(format_table(summarize_runs(sweep, specs)))
+            rows = summarize_runs(sweep, specs)
+            print(format_table(rows))
+            print()
+            print(format_method_table(rows, eval_splits(sweep), start_success(sweep)))
         return run_and_summarize
     if args.command == "rl":
         cfg, run_dir = _rl_config(args)

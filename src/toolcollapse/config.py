@@ -31,7 +31,7 @@ import yaml
 
 from toolcollapse.records import CallEnd
 
-Split = Literal["train", "test", "ood_content", "ood_format"]
+Split = Literal["train", "test", "ood_content", "ood_format", "ood_entities", "ood_compositions", "ood_chains"]
 SPLITS: tuple[str, ...] = typing.get_args(Split)
 
 
@@ -282,13 +282,78 @@ class HBGConfig(Checked):
 
 
 @dataclass(frozen=True)
+class PhaseConfig(Checked):
+    """An SFT phase inside an RL run (ETS, PRS, the adaptive schedule) or the sft_only control (interleave.py)."""
+
+    epochs: Count = 2  # passes over the phase's examples (the released code: 2)
+    lr: Positive = 1e-4  # constant; a fresh AdamW per phase (the released code: 1e-6 and 1e-5 for a 1.5 B model)
+    batch_size: Count = 8  # examples per optimizer step (micro-batched by grpo.micro_batch_size)
+
+
+@dataclass(frozen=True)
+class ETSConfig(Checked):
+    """Erroneous-trajectory supervision: rounds of `every` GRPO steps, each followed by an SFT phase on the
+    ground truth of the tasks with a zero-reward rollout in the round's last `window` steps."""
+
+    enabled: bool = False
+    every: Count = 8  # R: GRPO steps per round (the phase follows the round's last step, the run's last too)
+    window: Count = 4  # W: the round's last W steps whose failed tasks are collected (the released code: 10)
+
+
+@dataclass(frozen=True)
+class PRSConfig(Checked):
+    """Process-reflection supervision: ETS's phases also train on a judge's reflection on each failed rollout."""
+
+    enabled: bool = False  # needs supervision.ets (its rounds and data)
+    # reflection: (the judge's prompt -> its reflection), as the released code; correction: the failed prefix,
+    # the reflection as a user turn, then the reference continuation (only the continuation is trained)
+    target: Literal["reflection", "correction"] = "reflection"
+    judge: str = "deterministic"  # or "package.module:factory", a zero-argument callable returning a judge.Judge
+
+
+@dataclass(frozen=True)
+class AdaptiveConfig(Checked):
+    """On a monitor alarm: roll back, scale the LR, run an SFT phase on the failed tasks so far, resume RL."""
+
+    enabled: bool = False  # replaces monitor.on_alarm
+    rollback: bool = True  # to the newest checkpoint taken before the alarming step (a step-0 one is saved)
+    lr_scale: Annotated[float, Range(0, 1, low_open=True)] = 0.5  # multiplies the LR from then on (1: keep)
+    sft: bool = True  # an SFT phase (supervision.phase) on the ground truth of every task failed so far
+    max_recoveries: Count = 3  # later alarms are only logged
+
+
+@dataclass(frozen=True)
+class SFTOnlyConfig(Checked):
+    """The `sft_only` control: no RL; SFT from `init` on training-task ground truth for as many trained
+    tokens as a given run spent (`tokens`, or the total in `match`'s metrics; "{seed}" there is the seed)."""
+
+    tokens: NonNegInt = 0
+    match: str | None = None
+
+
+@dataclass(frozen=True)
 class SupervisionConfig(Checked):
-    """Supervision signals mixed into GRPO (supervision.py); each off by default, so plain GRPO is unchanged."""
+    """Supervision signals mixed into GRPO (supervision.py, interleave.py); each off by default, so plain
+    GRPO is unchanged."""
 
     sft_coef: NonNegative = 0.0  # synchronous SFT term: + sft_coef * NLL of the step's tasks' ground truth
     unlikelihood_coef: NonNegative = 0.0  # + coef * -log(1 - p) at the first rejected control token of failed turns
     ops: OPSConfig = field(default_factory=OPSConfig)
     hbg: HBGConfig = field(default_factory=HBGConfig)
+    ets: ETSConfig = field(default_factory=ETSConfig)
+    prs: PRSConfig = field(default_factory=PRSConfig)
+    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+    phase: PhaseConfig = field(default_factory=PhaseConfig)  # every SFT phase's settings
+    sft_only: SFTOnlyConfig = field(default_factory=SFTOnlyConfig)
+
+    @property
+    def interleaved(self) -> bool:
+        """True if the run has SFT phases, so it logs its failed tasks (failures.jsonl)."""
+        return self.ets.enabled or (self.adaptive.enabled and self.adaptive.sft)
+
+    @property
+    def sft_only_enabled(self) -> bool:
+        return self.sft_only.tokens > 0 or self.sft_only.match is not None
 
 
 @dataclass(frozen=True)
@@ -368,6 +433,14 @@ def rl_problems(cfg: RunConfig) -> list[str]:
     if own >= g:
         problems.append(f"supervision: {own} expert (ops.rows) and hinted (hbg.rows) rows leave none of "
                         f"grpo.group_size={g} to sample on-policy; lower them or raise the group size")
+    if s.prs.enabled and not s.ets.enabled:
+        problems.append("supervision.prs: PRS trains in ETS's phases on ETS's data plus reflections; "
+                        "set supervision.ets.enabled: true (and its every / window)")
+    if s.ets.enabled and s.ets.window > s.ets.every:
+        problems.append(f"supervision.ets: window={s.ets.window} > every={s.ets.every}: the window is the last "
+                        "steps of one round")
+    if s.sft_only_enabled and (s.sft_only.tokens > 0) == (s.sft_only.match is not None):
+        problems.append("supervision.sft_only: give tokens or match, not both")
     return problems
 
 

@@ -39,8 +39,11 @@ The run directory holds `config.yaml`, `metrics.jsonl` (one line per step),
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import math
+import operator
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -69,6 +72,9 @@ from toolcollapse.optim import lr_at, make_optimizer, set_lr
 from toolcollapse.records import CallEnd, Episode, ErrorType, PolicyBatch, Task, TurnState
 from toolcollapse.rewards import rewards_tensor
 from toolcollapse.rollout import RolloutEngine
+from toolcollapse.interleave import (FAILURES, PHASES, PhaseRunner, adaptive_handler, collect_failures,
+                                     latest_per_task, log_failures, read_failures, sft_phase, trained_tokens)
+from toolcollapse.judge import Judge, load_judge
 from toolcollapse.sft import encode_tasks
 from toolcollapse.supervision import SFTTerm, StepSupervision, group_rollouts, sft_tokens_so_far
 from toolcollapse.runtime import (append_jsonl, check_new_run_dir, clear_run_dir, progress, read_jsonl, seed_everything,
@@ -360,8 +366,8 @@ def tasks_for_step(order: Sequence[Task], step: int, n: int) -> list[Task]:
 
 @dataclass
 class AlarmContext:
-    """What an alarm handler may act on. A later adaptive schedule (rollback, LR cut, an SFT
-    phase) is a handler: it gets the live model and optimizer and can checkpoint or stop."""
+    """What an alarm handler may act on: the live model and optimizer, a checkpoint, a stop, and the
+    adaptive schedule's actions (interleave.adaptive_handler), each returning what it did."""
 
     step: int  # the step whose metrics raised the alarms; its update is done
     run_dir: Path
@@ -369,6 +375,11 @@ class AlarmContext:
     optimizer: torch.optim.Optimizer
     save_checkpoint: Callable[[], Path]  # a resumable checkpoint after this step
     stop: bool = False  # set True to end the run after this step
+    rollback: Callable[[], int] | None = None  # restore the newest checkpoint before `step`; its step
+    scale_lr: Callable[[float], float] | None = None  # multiply the LR from now on; the scale so far
+    sft_phase: Callable[[str], dict[str, float]] | None = None  # SFT on every task failed so far; its stats
+    recoveries: int = 0  # adaptive recoveries before this one
+    events: dict[str, Any] = field(default_factory=dict)  # what the handler did: into the step's metrics row
 
 
 AlarmHandler = Callable[[list[Alarm], AlarmContext], None]
@@ -393,6 +404,8 @@ def _raise(alarms: list[Alarm], ctx: AlarmContext, handle: AlarmHandler) -> bool
         append_jsonl(ctx.run_dir / "alarms.jsonl", {"step": a.step, "series": a.rule.series,
                                                     "detector": a.rule.detector, "value": a.value})
     handle(alarms, ctx)
+    if ctx.events:
+        append_jsonl(ctx.run_dir / "alarms.jsonl", {"step": ctx.step, "event": "recovery", **ctx.events})
     if ctx.stop:
         tqdm.write(f"rl: stopped on alarm after step {ctx.step}; continue with --resume {ctx.run_dir}")
     return ctx.stop
@@ -404,6 +417,8 @@ def _watcher(cfg: RunConfig, run_dir: Path) -> Watcher:
     path = run_dir / "metrics.jsonl"
     for row in read_jsonl(path) if path.is_file() else []:
         watcher.update(row["step"], row)
+        if "adaptive/recovery" in row:
+            watcher.rearm()
     return watcher
 
 
@@ -431,13 +446,16 @@ def _policy_and_reference(cfg: RunConfig, source: Path, fresh: bool) -> tuple[An
 
 
 def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmHandler | None = None,
-           overwrite: bool = False) -> Path:
+           overwrite: bool = False, judge: Judge | None = None) -> Path:
     """Train from `cfg.init` (or continue the run in `run_dir`). `on_alarm` replaces the
-    monitor.on_alarm action. A new run refuses a directory that holds another run unless
-    `overwrite`; a resumed one, a config other than the one it started with."""
+    monitor.on_alarm action (and the adaptive schedule); `judge`, PRS's `prs.judge`. A new run
+    refuses a directory that holds another run unless `overwrite`; a resumed one, a config other
+    than the one it started with."""
     run_dir = Path(run_dir)
-    g = cfg.grpo
+    g, s, m = cfg.grpo, cfg.supervision, cfg.monitor
     check_run_start(cfg, run_dir, resume, overwrite)
+    if s.sft_only_enabled:
+        return run_sft_only(cfg, run_dir, resume)
     set_threads(cfg.threads)
     seed_everything(cfg.seed)
     done = complete_checkpoints(run_dir) if resume else []
@@ -451,7 +469,10 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
     dump_config(cfg, run_dir / RUN_CONFIG)
     _truncate_logs(run_dir, start)
     writer = _tensorboard(run_dir, start)
-    watcher, handle = _watcher(cfg, run_dir), on_alarm or config_handler(cfg.monitor.on_alarm)
+    rows = read_jsonl(run_dir / "metrics.jsonl") if start else []
+    watcher = _watcher(cfg, run_dir)
+    if on_alarm is None:
+        on_alarm = adaptive_handler(s.adaptive) if s.adaptive.enabled else config_handler(m.on_alarm)
 
     env = make_env(cfg)
     order = task_order(env.tasks(g.split), cfg.seed)
@@ -462,10 +483,16 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
     params = sampling_params(cfg, greedy=False)
     bar = progress(g.steps, "rl", initial=start)
     last_val = "-"  # the last validation's success (and its cost), for the progress line
-    s = cfg.supervision
     sft_term = SFTTerm(s.sft_coef, g.micro_batch_size, tokenizer.pad_token_id) if s.sft_coef > 0 else None
-    sft_tokens_total = sft_tokens_so_far(read_jsonl(run_dir / "metrics.jsonl")) if start else 0.0
-    m = cfg.monitor
+    sft_tokens_total = sft_tokens_so_far(rows)
+    phases = PhaseRunner(run_dir, model, engine.encoder, {t.id: t for t in order}, cfg, read_failures(run_dir))
+    judge = judge or (load_judge(s.prs.judge) if s.prs.enabled else None)
+    lr_scale = next((r["adaptive/lr_scale"] for r in reversed(rows) if "adaptive/lr_scale" in r), 1.0)
+    recoveries = sum("adaptive/recovery" in r for r in rows)
+    save_at = lambda k: save_checkpoint(run_dir, k, model, tokenizer, optimizer,  # noqa: E731
+                                        lambda p: dump_config(cfg, p / "toolcollapse.yaml"), g.keep_checkpoints)
+    if s.adaptive.enabled and s.adaptive.rollback and not done:
+        save_at(0)  # a rollback target before the first periodic checkpoint
     model.train()
     for step in range(start, g.steps):
         t_probe = time.time()
@@ -481,7 +508,7 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
         tasks = tasks_for_step(order, step, g.prompts_per_step)
         episodes, kinds = group_rollouts(engine, tasks, params, g.group_size, s, seed=cfg.seed * 1_000_003 + step)
         t_rollout = time.time()
-        lr = lr_at(step, g.lr, g.warmup_steps, g.steps, g.min_lr_ratio, g.schedule)
+        lr = lr_at(step, g.lr, g.warmup_steps, g.steps, g.min_lr_ratio, g.schedule) * lr_scale
         set_lr(optimizer, lr)
         rewards = rewards_tensor(episodes, g.format_reward)
         share_rows = m.grad_share_rows if m.grad_share_every and step % m.grad_share_every == 0 else 0
@@ -492,13 +519,36 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
             kinds if set(kinds) != {"policy"} else (), s.ops.gamma if s.ops.enabled and s.ops.shaping == "luffy" else 0.0)
         update_stats = policy_step(model, ref_model, optimizer, episodes, rewards, g, tokenizer.pad_token_id,
                                    probe_tokens, share_rows, cfg.rollout.temperature, sup)
-        if "sup/sft_tokens" in update_stats:
-            sft_tokens_total += update_stats["sup/sft_tokens"]
-            update_stats["sup/sft_tokens_total"] = sft_tokens_total
+        if s.interleaved:
+            failed = collect_failures(step, episodes, kinds, phases.tasks, judge, engine.decode)
+            log_failures(run_dir, failed)
+            phases.failures += failed
         metrics = {"step": step, "lr": lr, **probe_stats, **update_stats, **row_kind_stats(episodes, kinds),
                    "seconds": time.time() - t_probe, "seconds_probe": t_val - t_probe,
                    "seconds_rollout": t_rollout - t0, "seconds_update": time.time() - t_rollout}
         alarms = watcher.update(step, metrics)
+        save = functools.partial(save_at, step + 1)
+        ctx = AlarmContext(step, run_dir, model, optimizer, save, recoveries=recoveries)
+        if alarms:
+            ctx.rollback = functools.partial(_rollback, run_dir, step, model, optimizer)
+            ctx.scale_lr = functools.partial(operator.mul, lr_scale)
+            ctx.sft_phase = functools.partial(_phase, phases, step=step, failures=latest_per_task(phases.failures),
+                                              optimizer=optimizer)
+            stop = _raise(alarms, ctx, on_alarm)
+            if "adaptive/recovery" in ctx.events:
+                recoveries += 1
+                lr_scale = ctx.events.get("adaptive/lr_scale", lr_scale)
+                watcher.rearm()
+            metrics.update(ctx.events)
+        else:
+            stop = False
+        if phases.ets_round_ends(step) and not stop:
+            metrics.update({f"ets/{k.removeprefix('phase/')}": v for k, v in
+                            _phase(phases, "ets", step=step, failures=phases.ets_failures(step), optimizer=optimizer).items()})
+        phase_tokens = metrics.get("ets/tokens", 0.0) + metrics.get("adaptive/tokens", 0.0)
+        if "sup/sft_tokens" in update_stats or phase_tokens:
+            sft_tokens_total += update_stats.get("sup/sft_tokens", 0.0) + phase_tokens
+            metrics["sup/sft_tokens_total"] = sft_tokens_total
         metrics["alarms_total"] = len(watcher.alarms)
         _log(run_dir, writer, metrics,
              sample_records(step, episodes, rewards, engine.decode, g.samples_per_step, kinds))
@@ -506,15 +556,83 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
         bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", healthy=f"{metrics['healthy_rate']:.2f}",
                         informative=f"{metrics['frac_groups_informative']:.2f}", alarms=len(watcher.alarms),
                         **({"val": last_val} if val_tasks else {}), refresh=False)
-        save = lambda: save_checkpoint(run_dir, step + 1, model, tokenizer, optimizer,  # noqa: E731
-                                       lambda p: dump_config(cfg, p / "toolcollapse.yaml"), g.keep_checkpoints)
-        if alarms and _raise(alarms, AlarmContext(step, run_dir, model, optimizer, save), handle):
+        if stop:
             break
-        if (step + 1) % g.checkpoint_every == 0 or step + 1 == g.steps:
-            save()
+        if (step + 1) % g.checkpoint_every == 0 or step + 1 == g.steps or phase_tokens or ctx.events:
+            save()  # also after an SFT phase or a recovery: a resumed run must not redo them
     bar.close()
     writer.close()
     return run_dir
+
+
+def _rollback(run_dir: Path, step: int, model: Any, optimizer: torch.optim.Optimizer) -> int:
+    """Restore the weights and RL optimizer state of the newest checkpoint taken before `step`'s weights
+    (a checkpoint `step_k` holds the weights after k updates; step `step` ran on those after `step`)."""
+    before = [p for p in complete_checkpoints(run_dir) if int(p.name.removeprefix("step_")) < step]
+    if not before:
+        raise RuntimeError(f"adaptive rollback at step {step}: no checkpoint before it in {run_dir}/checkpoints "
+                           "(raise grpo.keep_checkpoints or lower grpo.checkpoint_every)")
+    target = before[-1]
+    model.load_state_dict(load_model(target, trainable=True).state_dict())
+    optimizer.load_state_dict(torch.load(target / "trainer.pt", map_location="cpu", weights_only=False)["optimizer"])
+    tqdm.write(f"rl: adaptive: rolled back to {target}")
+    return int(target.name.removeprefix("step_"))
+
+
+def _phase(phases: PhaseRunner, name: str, *, step: int, failures: Sequence[Any],
+           optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """An SFT phase, then RL's AdamW state reset (its moments belong to the weights before the phase)."""
+    stats = phases.run(name, step, failures)
+    optimizer.state.clear()
+    return stats
+
+
+def run_sft_only(cfg: RunConfig, run_dir: Path, resume: bool) -> Path:
+    """The `sft_only` control: SFT from `cfg.init` on the ground truth of training tasks (in the run's
+    task order) for as many trained tokens as `supervision.sft_only` names, with `supervision.phase`'s
+    epochs, LR and batch; no RL. Saves the result as the checkpoint an RL run of `grpo.steps` would."""
+    run_dir = Path(run_dir)
+    s, g = cfg.supervision, cfg.grpo
+    target = s.sft_only.tokens or _matched_tokens(s.sft_only.match.replace("{seed}", str(cfg.seed)), cfg)
+    if resume and complete_checkpoints(run_dir):
+        return run_dir
+    set_threads(cfg.threads)
+    seed_everything(cfg.seed)
+    model, tokenizer, _ = _policy_and_reference(dataclasses.replace(cfg, grpo=dataclasses.replace(g, kl_coef=0.0)),
+                                                Path(cfg.init), fresh=True)
+    clear_run_dir(run_dir, "rl")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_config(cfg, run_dir / RUN_CONFIG)
+    encoder = PieceEncoder(tokenizer)
+    examples, tokens = [], 0
+    for task in task_order(make_env(cfg).tasks(g.split), cfg.seed):  # one epoch's tokens x epochs reach the target
+        if tokens * s.phase.epochs >= target:
+            break
+        example = encode_tasks(encoder, [task], cfg.rollout.call_end)[0]
+        examples.append(example)
+        tokens += trained_tokens([example])
+    t0 = time.time()
+    stats = sft_phase(model, examples, s.phase, g.micro_batch_size, tokenizer.pad_token_id, seed=cfg.seed)
+    stats["phase/seconds"] = time.time() - t0
+    tqdm.write(f"rl: sft_only: {len(examples)} tasks, {stats['phase/steps']:.0f} SFT steps, "
+               f"{stats['phase/tokens']:.0f} tokens (matched to {target:.0f})")
+    append_jsonl(run_dir / PHASES, {"step": g.steps, "phase": "sft_only", "target_tokens": target, **stats})
+    save_checkpoint(run_dir, g.steps, model, tokenizer, make_optimizer(model, g.lr, g.weight_decay, g.betas),
+                    lambda p: dump_config(cfg, p / "toolcollapse.yaml"), g.keep_checkpoints)
+    return run_dir
+
+
+def _matched_tokens(match: str, cfg: RunConfig) -> float:
+    """The SFT tokens a finished run spent (its metrics' running total)."""
+    path = Path(match) / "metrics.jsonl"
+    done = complete_checkpoints(Path(match))
+    if not path.is_file() or not done or not done[-1].name.endswith(f"{cfg.grpo.steps:06d}"):
+        raise ConfigError(f"supervision.sft_only.match: {match} is not a finished run of {cfg.grpo.steps} steps; "
+                          "run it first (in a sweep: its own sweep file, before this one)")
+    tokens = sft_tokens_so_far(read_jsonl(path))
+    if tokens <= 0:
+        raise ConfigError(f"supervision.sft_only.match: {match} spent no SFT tokens; nothing to match")
+    return tokens
 
 
 def validate(engine: RolloutEngine, tasks: Sequence[Task], cfg: RunConfig) -> dict[str, float]:
@@ -571,7 +689,7 @@ def resume_config(run_dir: Path) -> RunConfig:
 
 def _truncate_logs(run_dir: Path, start: int) -> None:
     """Drop log lines of steps at or after `start`: a resumed run rewrites them."""
-    for name in ("metrics.jsonl", "samples.jsonl", "alarms.jsonl"):
+    for name in ("metrics.jsonl", "samples.jsonl", "alarms.jsonl", FAILURES, PHASES):
         path = run_dir / name
         if path.is_file():
             keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < start]

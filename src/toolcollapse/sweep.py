@@ -41,6 +41,7 @@ class SweepConfig(Checked):
     workers: Count = 2  # runs at once
     threads_per_worker: Count = 1
     eval_split: Split = "test"
+    eval_extra_splits: tuple[Split, ...] = ()  # also evaluated, same tasks count and limits (ood_content, ood_format)
     eval_n: NonNegInt = 0  # tasks evaluated after training (0: no evaluation)
     eval_settings: tuple[str, ...] | None = None  # settings whose final checkpoints are evaluated (None: all)
 
@@ -123,11 +124,15 @@ def _get(cfg: Any, dotted: str) -> Any:
     return cfg
 
 
-def eval_config(sweep: SweepConfig) -> RunConfig:
+def eval_splits(sweep: SweepConfig) -> list[str]:
+    return list(dict.fromkeys((sweep.eval_split, *sweep.eval_extra_splits)))
+
+
+def eval_config(sweep: SweepConfig, split: str | None = None) -> RunConfig:
     """The config every evaluation of the sweep runs with: the base config with the sweep's
-    `overrides` (not a setting's), greedy, on `eval_n` tasks of `eval_split`."""
+    `overrides` (not a setting's), greedy, on `eval_n` tasks of `split` (default `eval_split`)."""
     items = [f"{k}={v}" for k, v in sweep.overrides.items()] + [
-        f"threads={sweep.threads_per_worker}", f"eval.split={sweep.eval_split}", "eval.greedy=true",
+        f"threads={sweep.threads_per_worker}", f"eval.split={split or sweep.eval_split}", "eval.greedy=true",
         f"eval.n_tasks={sweep.eval_n or 'null'}"]
     try:
         return load_config(sweep.base, items)
@@ -173,17 +178,18 @@ def start_eval_dir(sweep: SweepConfig) -> Path:
 
 
 def evaluate_checkpoint(checkpoint: Path, sweep: SweepConfig, eval_dir: Path) -> None:
-    """Greedy evaluation under the sweep's one set of limits (`eval_config`), unless `eval_dir`
-    already holds one of the same tasks under the same limits."""
+    """Greedy evaluation on every eval split under the sweep's one set of limits (`eval_config`),
+    except where `eval_dir` already holds one of the same tasks under the same limits."""
     from toolcollapse.evaluate import rollout_limits, run_eval
 
-    cfg = eval_config(sweep)
-    summary_path = eval_dir / f"{sweep.eval_split}.summary.json"
-    if summary_path.is_file():
-        done = json.loads(summary_path.read_text())
-        if done["n_episodes"] == sweep.eval_n and done.get("limits") == rollout_limits(cfg, greedy=True):
-            return
-    run_eval(checkpoint, cfg, eval_dir / f"{sweep.eval_split}.jsonl")
+    for split in eval_splits(sweep):
+        cfg = eval_config(sweep, split)
+        summary_path = eval_dir / f"{split}.summary.json"
+        if summary_path.is_file():
+            done = json.loads(summary_path.read_text())
+            if done["n_episodes"] == sweep.eval_n and done.get("limits") == rollout_limits(cfg, greedy=True):
+                continue
+        run_eval(checkpoint, cfg, eval_dir / f"{split}.jsonl")
 
 
 # ----------------------------------------------------------------------------- the collapse table
@@ -205,7 +211,7 @@ def summarize_run(run_dir: Path, steps: int, hold: int) -> dict[str, Any]:
     path = Path(run_dir) / "metrics.jsonl"
     rows = read_jsonl(path) if path.is_file() else []
     if not rows:
-        return {"run": str(run_dir), "steps_done": 0}
+        return {"run": str(run_dir), "steps_done": 0, **run_cost(run_dir, rows)}
     smooth = rolling_mean([r["healthy_rate"] for r in rows], WINDOW)
     collapse = find_collapse(rows, hold)
     informative = [r["frac_groups_informative"] for r in rows]
@@ -220,7 +226,21 @@ def summarize_run(run_dir: Path, steps: int, hold: int) -> dict[str, Any]:
         "skipped_nonfinite": sum(r.get("skipped_nonfinite", 0) for r in rows),
     }
     out.update(first_probe_moves(rows))
+    out.update(run_cost(run_dir, rows))
     return out
+
+
+def run_cost(run_dir: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """SFT tokens the run trained on (the synchronous term and its phases; an sft_only run's phase) and
+    its wall time: the steps' seconds plus the phases'."""
+    from toolcollapse.runtime import read_jsonl
+    from toolcollapse.supervision import sft_tokens_so_far
+
+    path = Path(run_dir) / "phases.jsonl"
+    phases = read_jsonl(path) if path.is_file() else []
+    tokens = sft_tokens_so_far(rows) if rows else sum(p.get("phase/tokens", 0.0) for p in phases)
+    seconds = sum(r.get("seconds", 0.0) for r in rows) + sum(p.get("phase/seconds", 0.0) for p in phases)
+    return {"sft_tokens": tokens, "wall_s": seconds, "sft_only": not rows and bool(phases)}
 
 
 def first_probe_moves(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -248,6 +268,9 @@ def summarize_runs(sweep: SweepConfig, specs: list[RunSpec]) -> list[dict[str, A
         row = {"setting": spec.setting, "seed": spec.seed,
                **summarize_run(spec.run_dir, spec.cfg.grpo.steps, spec.cfg.monitor.collapse_hold)}
         row.update(_eval_figures(spec.run_dir, sweep.eval_split, start_eval_dir(sweep)))
+        for split in eval_splits(sweep)[1:]:
+            figures = _eval_figures(spec.run_dir, split, start_eval_dir(sweep))
+            row.update({f"{split}/{k}": v for k, v in figures.items()})
         rows.append(row)
     return rows
 
@@ -293,7 +316,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in rows:
         if not r.get("steps_done"):
-            lines.append(f"| {r['setting']} | {r['seed']} | not run |")
+            lines.append(f"| {r['setting']} | {r['seed']} | " + ("no RL (sft_only) |" if r.get("sft_only") else "not run |"))
             continue
         ev = "-"
         if "eval_success" in r:
@@ -311,3 +334,48 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"| {r['informative_min']:.2f} ({step(r['step_uninformative'])}) "
             f"| {r.get('first_probe_move') or '-'} | {ev} |")
     return "\n".join(lines)
+
+
+def _mean_sd(values: list[float]) -> str:
+    if not values:
+        return "-"
+    mean = sum(values) / len(values)
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+    return f"{100 * mean:.1f} ± {100 * sd:.1f}" if len(values) > 1 else f"{100 * mean:.1f}"
+
+
+def format_method_table(rows: list[dict[str, Any]], splits: list[str], start: dict[str, float]) -> str:
+    """One line per setting, over its seeds: the healthy-turn rate's 5-step mean (min, final; mean over
+    seeds), collapses, greedy success per eval split (mean ± sd, %), SFT tokens and wall time."""
+    head = ("| setting | seeds | healthy min | healthy final | collapsed (@ steps) | "
+            + " | ".join(f"{s} %" for s in splits) + " | SFT tokens | wall (min) |")
+    lines = [head, "|---" * (head.count("|") - 1) + "|",
+             "| start | - | - | - | - | " + " | ".join(_mean_sd([start[s]]) if s in start else "-" for s in splits)
+             + " | 0 | 0 |"]
+    for setting in dict.fromkeys(r["setting"] for r in rows):
+        runs = [r for r in rows if r["setting"] == setting]
+        rl = [r for r in runs if r.get("steps_done")]
+        collapsed = [r["collapse_step"] for r in rl if r["collapsed"]]
+        success = [_mean_sd([r[k] for r in runs if k in r])
+                   for k in ["eval_success"] + [f"{s}/eval_success" for s in splits[1:]]]
+        cells = [setting, str(len(runs)),
+                 _mean_sd([r["healthy_min_smooth"] for r in rl]), _mean_sd([r["healthy_end_smooth"] for r in rl]),
+                 f"{len(collapsed)}/{len(rl)}" + (f" (@ {', '.join(map(str, collapsed))})" if collapsed else "")
+                 if rl else ("no RL" if any(r.get("sft_only") for r in runs) else "not run"), *success,
+                 f"{sum(r['sft_tokens'] for r in runs) / len(runs):.0f}",
+                 f"{sum(r['wall_s'] for r in runs) / len(runs) / 60:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def start_success(sweep: SweepConfig) -> dict[str, float]:
+    """The starting checkpoint's success per evaluated split."""
+    from toolcollapse.runtime import read_jsonl
+
+    out = {}
+    for split in eval_splits(sweep):
+        path = start_eval_dir(sweep) / f"{split}.jsonl"
+        if path.is_file():
+            results = read_jsonl(path)
+            out[split] = sum(r["success"] for r in results) / len(results)
+    return out

@@ -42,12 +42,11 @@ class ToolWorld:
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
         if split not in self._splits:
-            sizes = {"train": self.cfg.n_train, "test": self.cfg.n_test,
-                     "ood_content": self.cfg.n_ood, "ood_format": self.cfg.n_ood}
+            sizes = {"train": self.cfg.n_train, "test": self.cfg.n_test}  # every OOD split: n_ood
             held_out = frozenset()
             if split == "train":  # no program of an in-distribution eval split is trained on
                 held_out = frozenset(t.meta["key"] for s in ("test", "ood_format") for t in self.tasks(s))
-            self._splits[split] = make_tasks(split, sizes[split], self.cfg.seed, self.kb, self.functions, held_out,
+            self._splits[split] = make_tasks(split, sizes.get(split, self.cfg.n_ood), self.cfg.seed, self.kb, self.functions, held_out,
                                              self.cfg.quote_entities)
         tasks = self._splits[split]
         return tasks if n is None else tasks[:n]

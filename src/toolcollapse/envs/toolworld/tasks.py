@@ -11,6 +11,11 @@ Splits (all deterministic in the world seed):
   ood_content  unseen entities (the `ood` pool); half the tasks use OOD_TEMPLATES:
                unseen compositions and longer chains (3-6 calls)
   ood_format   test's distribution under other system prompts and shuffled tools
+The content shift one axis at a time (ood_content mixes them; the model copies names it never
+saw poorly, so that mix can sit at 0 % and hide what a method costs on the other axes):
+  ood_entities      unseen entities alone: the `ood` pool, TRAIN_TEMPLATES
+  ood_compositions  unseen compositions alone: the main pool, OOD_TEMPLATES of at most 5 calls
+  ood_chains        longer chains alone: the main pool, OOD_TEMPLATES of 6 calls
 """
 
 from __future__ import annotations
@@ -304,6 +309,7 @@ class SplitRecipe:
     ood_template_share: float  # fraction of tasks drawn from OOD_TEMPLATES
     styles: tuple[str, ...]  # system prompt styles, one drawn per task
     shuffle_tools: bool
+    ood_templates: tuple[str, ...] | None = None  # the OOD_TEMPLATES drawn from (None: all)
 
 
 RECIPES: dict[str, SplitRecipe] = {
@@ -311,6 +317,10 @@ RECIPES: dict[str, SplitRecipe] = {
     "test": SplitRecipe("main", 0.0, ("qwen",), False),
     "ood_content": SplitRecipe("ood", 0.5, ("qwen",), False),
     "ood_format": SplitRecipe("main", 0.0, OOD_STYLES, True),
+    "ood_entities": SplitRecipe("ood", 0.0, ("qwen",), False),
+    "ood_compositions": SplitRecipe("main", 1.0, ("qwen",), False, ("relation_date_shift", "difference_convert",
+                                                                    "two_hop")),
+    "ood_chains": SplitRecipe("main", 1.0, ("qwen",), False, ("extreme_of_five", "relation_total_convert")),
 }
 
 
@@ -328,7 +338,9 @@ def make_tasks(split: str, n: int, seed: int, kb: KnowledgeBase, tools: WorldToo
         if attempts > 50 * n + 1000:
             raise RuntimeError(f"cannot draw {n} distinct {split} tasks; the world is too small")
         use_ood = rng.random() < recipe.ood_template_share
-        name, template = rng.choice(sorted((OOD_TEMPLATES if use_ood else TRAIN_TEMPLATES).items()))
+        templates = ({k: v for k, v in OOD_TEMPLATES.items() if k in (recipe.ood_templates or OOD_TEMPLATES)}
+                     if use_ood else TRAIN_TEMPLATES)
+        name, template = rng.choice(sorted(templates.items()))
         plan = template(draw)
         if plan.key in exclude or (split != "train" and plan.key in seen):
             continue

@@ -1,0 +1,263 @@
+"""SFT phases inside an RL run -- ETS, PRS, the adaptive schedule -- and the `sft_only` control.
+
+ETS (erroneous-trajectory supervision; arXiv 2606.26027, DESIGN.md): rounds of `ets.every`
+GRPO steps; after a round, the tasks with at least one zero-reward on-policy rollout in the
+round's last `ets.window` steps are collected (the released code's rule), and the model is
+SFT-trained on their ground-truth conversations, loss on the assistant tokens as `sft`
+trains (the released code makes one example per assistant turn; a whole conversation with
+every assistant turn trained is the same targets, each in its full context). The next
+round's RL starts from that model.
+
+PRS (process-reflection supervision): ETS's phases, plus one example per failed task built
+from the judge's verdict on its failed rollout (judge.py): `prs.target: reflection`, the
+policy learns to write the reflection from the judge's prompt (the released code);
+`correction`, the failed prefix as sampled, the reflection as a user turn, then the
+reference's continuation from the mistaken turn -- only that continuation is trained.
+
+The adaptive schedule (the paper's future work): on a monitor alarm, roll back to the newest
+checkpoint taken before the alarming step, scale the LR, run an SFT phase on the ground truth
+of every task failed so far, and resume RL; each action configurable, each an event in the
+step's `metrics.jsonl` row (`adaptive/*`) and in `alarms.jsonl`. It is an `on_alarm` handler
+(`adaptive_handler`), the same extension point a user's own handler plugs into.
+
+At a phase change: the phase trains with its own AdamW (constant `phase.lr`), and RL's AdamW
+state is reset afterwards -- its moments were estimated on the weights before the phase, and
+a fresh verl run from the SFT checkpoint, as the released code starts each round, has none.
+The KL reference stays the run's initial model (the released code's fresh run would take the
+SFT checkpoint; at kl_coef 1e-4 the difference is small, and one reference keeps the KL
+comparable across rounds and methods). Every phase's trained tokens add to the run's
+`sup/sft_tokens_total`, so a gain can be told apart from "more SFT" -- which the `sft_only`
+control measures: SFT from the same start, on the same kind of ground truth, for as many
+trained tokens as a given run spent, no RL.
+
+Failed tasks are logged as they happen (`failures.jsonl`, one line per failed task and step,
+with the judge's verdict under PRS), so a resumed run rebuilds its phases' data exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from toolcollapse.chat import IM_END, Piece, PieceEncoder, conversation_pieces, tag
+from toolcollapse.judge import Judge, judge_messages
+from toolcollapse.optim import make_optimizer
+from toolcollapse.records import CallEnd, Episode, Message, Task
+from toolcollapse.runtime import append_jsonl, read_jsonl
+from toolcollapse.sft import Example, batch_logits, encode_tasks
+
+FAILURES = "failures.jsonl"
+PHASES = "phases.jsonl"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A task with a zero-reward on-policy rollout at `step`; under PRS, the judge's verdict on it."""
+
+    step: int
+    task_id: str
+    turn: int | None = None  # the first mistaken assistant turn (None: none found, or not judged)
+    mistake: str = ""
+    reflection: str = ""
+    judge_prompt: list[dict[str, str]] | None = None  # the judge's chat input (PRS reflection target)
+    prefix: list[int] | None = None  # the rollout's tokens through the turn that closes the failed prefix
+    observation: str | None = None  # the tool's reply after that turn, if any
+    resume_turn: int | None = None  # the reference assistant turn the correction continues from
+
+
+def collect_failures(step: int, episodes: Sequence[Episode], kinds: Sequence[str], tasks: dict[str, Task],
+                     judge: Judge | None, decode: Callable[[Sequence[int]], str]) -> list[Failure]:
+    """One Failure per task whose on-policy rows include a zero-reward one (the first such row is judged)."""
+    out: dict[str, Failure] = {}
+    for ep, kind in zip(episodes, kinds or ["policy"] * len(episodes)):
+        if kind != "policy" or ep.success or ep.task_id in out:
+            continue
+        failure = Failure(step, ep.task_id)
+        if judge is not None:
+            failure = judged(failure, tasks[ep.task_id], ep, judge, decode)
+        out[ep.task_id] = failure
+    return list(out.values())
+
+
+def judged(failure: Failure, task: Task, episode: Episode, judge: Judge, decode: Callable) -> Failure:
+    verdict = judge(task, episode, decode)
+    if verdict.turn is None or not episode.turns:
+        return dataclasses.replace(failure, mistake=verdict.mistake, reflection=verdict.reflection)
+    closing = min(verdict.turn, len(episode.turns) - 1)  # a stopped-early episode: its last turn closes the prefix
+    return dataclasses.replace(
+        failure, turn=verdict.turn, mistake=verdict.mistake, reflection=verdict.reflection,
+        judge_prompt=judge_messages(task, episode, decode, closing),
+        prefix=episode.tokens[:episode.turns[closing].end], observation=episode.turns[closing].observation,
+        resume_turn=verdict.turn)
+
+
+def log_failures(run_dir: Path, failures: Sequence[Failure]) -> None:
+    for f in failures:
+        append_jsonl(run_dir / FAILURES, dataclasses.asdict(f))
+
+
+def read_failures(run_dir: Path) -> list[Failure]:
+    path = Path(run_dir) / FAILURES
+    return [Failure(**row) for row in read_jsonl(path)] if path.is_file() else []
+
+
+def latest_per_task(failures: Sequence[Failure], first_step: int = 0) -> list[Failure]:
+    """The newest failure of each task from `first_step` on (failures come in step order), in the order
+    the tasks first failed there."""
+    latest: dict[str, Failure] = {}
+    for f in failures:
+        if f.step >= first_step:
+            latest[f.task_id] = f  # a dict keeps a key's first position
+    return list(latest.values())
+
+
+# ----------------------------------------------------------------------------- a phase's examples
+
+
+def correction_example(encoder: PieceEncoder, task: Task, failure: Failure, call_end: CallEnd) -> Example:
+    """The failed prefix as sampled (closed as the template closes a turn), the reflection as a user turn,
+    then the reference from the mistaken turn on; only the continuation's assistant tokens are trained."""
+    prefix = list(failure.prefix or [])
+    im_end = encoder.special_ids[IM_END]
+    close = [Piece("\n")] if prefix and prefix[-1] == im_end else [tag(IM_END), Piece("\n")]
+    between = close + (conversation_pieces([Message("tool", failure.observation)]) if failure.observation is not None
+                       else [])
+    between += conversation_pieces([Message("user", f"Review of your attempt: {failure.reflection}")])
+    assistant_at = [i for i, m in enumerate(task.reference) if m.role == "assistant"]
+    rest = list(task.reference[assistant_at[failure.resume_turn]:]) if failure.resume_turn < len(assistant_at) else []
+    ids, _ = encoder.encode(between)
+    rest_ids, rest_mask = encoder.encode(conversation_pieces(rest, call_end=call_end))
+    return prefix + ids + rest_ids, [0] * (len(prefix) + len(ids)) + rest_mask
+
+
+def reflection_example(encoder: PieceEncoder, failure: Failure, call_end: CallEnd) -> Example:
+    """(the judge's prompt -> its reflection): the policy learns to write the reflection."""
+    messages = [Message(m["role"], m["content"]) for m in failure.judge_prompt or []]
+    return encoder.encode_conversation(messages + [Message("assistant", failure.reflection)], call_end)
+
+
+def phase_examples(failures: Sequence[Failure], tasks: dict[str, Task], encoder: PieceEncoder, call_end: CallEnd,
+                   prs_target: str | None, max_len: int) -> tuple[list[Example], dict[str, float]]:
+    """ETS's examples (each failed task's ground truth) and, with `prs_target`, PRS's (one per judged
+    failure); examples longer than the model's context are left out and counted."""
+    chosen = [tasks[f.task_id] for f in failures]
+    examples = encode_tasks(encoder, chosen, call_end)
+    n_prs = 0
+    if prs_target is not None:
+        for f in failures:
+            if f.turn is None:
+                continue
+            examples.append(correction_example(encoder, tasks[f.task_id], f, call_end) if prs_target == "correction"
+                            else reflection_example(encoder, f, call_end))
+            n_prs += 1
+    kept = [e for e in examples if len(e[0]) <= max_len]
+    return kept, {"phase/tasks": float(len(chosen)), "phase/prs_examples": float(n_prs),
+                  "phase/too_long": float(len(examples) - len(kept))}
+
+
+# ----------------------------------------------------------------------------- the phase
+
+
+def trained_tokens(examples: Sequence[Example]) -> int:
+    return sum(sum(m[1:]) for _, m in examples)
+
+
+def sft_phase(model: Any, examples: Sequence[Example], pc: Any, micro_batch_size: int, pad_id: int, seed: int,
+              grad_clip: float = 1.0) -> dict[str, float]:
+    """`pc.epochs` shuffled passes over `examples` in batches of `pc.batch_size` (token-mean NLL per batch,
+    micro-batched), with a fresh AdamW at constant `pc.lr`. Returns the phase's statistics."""
+    if not examples:
+        return {"phase/steps": 0.0, "phase/tokens": 0.0}
+    optimizer = make_optimizer(model, pc.lr, 0.0, (0.9, 0.95))
+    rng = random.Random(seed)
+    losses: list[float] = []
+    tokens = 0
+    was_training = model.training
+    model.train()
+    for _ in range(pc.epochs):
+        order = rng.sample(range(len(examples)), len(examples))
+        for start in range(0, len(order), pc.batch_size):
+            batch = [examples[i] for i in order[start:start + pc.batch_size]]
+            n = trained_tokens(batch)
+            total = 0.0
+            for m in range(0, len(batch), micro_batch_size):
+                logits, targets = batch_logits(model, batch[m:m + micro_batch_size], pad_id)
+                nll = F.cross_entropy(logits.float(), targets, reduction="sum")
+                (nll / max(1, n)).backward()
+                total += nll.item()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(total / max(1, n))
+            tokens += n
+    model.train(was_training)
+    return {"phase/steps": float(len(losses)), "phase/tokens": float(tokens), "phase/loss_first": losses[0],
+            "phase/loss_last": losses[-1]}
+
+
+@dataclass
+class PhaseRunner:
+    """What run_rl needs to run SFT phases: the data rules, the judge, and the logs."""
+
+    run_dir: Path
+    model: Any
+    encoder: PieceEncoder
+    tasks: dict[str, Task]  # the training split by id
+    cfg: Any  # RunConfig
+    failures: list[Failure]  # every failure logged so far
+
+    def run(self, name: str, step: int, failures: Sequence[Failure]) -> dict[str, float]:
+        """An SFT phase after `step` on `failures`' tasks; logged to phases.jsonl, returned as metrics."""
+        s, c = self.cfg.supervision, self.cfg
+        t0 = time.time()
+        examples, stats = phase_examples(failures, self.tasks, self.encoder, c.rollout.call_end,
+                                         s.prs.target if s.prs.enabled else None, c.model.max_seq_len)
+        stats.update(sft_phase(self.model, examples, s.phase, c.grpo.micro_batch_size,
+                               self.encoder.tokenizer.pad_token_id, seed=c.seed * 1_000_003 + step))
+        stats["phase/seconds"] = time.time() - t0
+        tqdm.write(f"rl: {name} phase after step {step}: {stats['phase/tasks']:.0f} failed tasks, "
+                   f"{stats['phase/steps']:.0f} SFT steps, {stats['phase/tokens']:.0f} tokens"
+                   + (f", loss {stats['phase/loss_first']:.3f} -> {stats['phase/loss_last']:.3f}"
+                      if stats["phase/steps"] else ""))
+        append_jsonl(self.run_dir / PHASES, {"step": step, "phase": name, **stats})
+        return stats
+
+    def ets_round_ends(self, step: int) -> bool:
+        e = self.cfg.supervision.ets
+        return e.enabled and (step + 1) % e.every == 0
+
+    def ets_failures(self, step: int) -> list[Failure]:
+        """The rule: tasks with a zero-reward rollout in the round's last `window` steps (through `step`)."""
+        window = self.cfg.supervision.ets.window
+        return latest_per_task([f for f in self.failures if f.step <= step], first_step=step + 1 - window)
+
+
+# ----------------------------------------------------------------------------- the adaptive schedule
+
+
+def adaptive_handler(a: Any) -> Callable[[list, Any], None]:
+    """monitor alarms -> the recovery `supervision.adaptive` names, through the AlarmContext's actions
+    (`rollback`, `scale_lr`, `sft_phase`); each action's outcome goes into `ctx.events`."""
+
+    def handle(alarms: list, ctx: Any) -> None:
+        if ctx.recoveries >= a.max_recoveries:
+            tqdm.write(f"rl: adaptive: {ctx.recoveries} recoveries done (max_recoveries); alarm only logged")
+            return
+        events: dict[str, Any] = {"adaptive/recovery": ctx.recoveries + 1}
+        if a.rollback:
+            events["adaptive/rollback_to"] = ctx.rollback()
+        if a.lr_scale != 1.0:
+            events["adaptive/lr_scale"] = ctx.scale_lr(a.lr_scale)
+        if a.sft:
+            events.update({f"adaptive/{k.removeprefix('phase/')}": v for k, v in ctx.sft_phase("adaptive").items()})
+        ctx.events.update(events)
+
+    return handle
