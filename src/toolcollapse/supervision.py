@@ -34,6 +34,9 @@ the policy's own samples, then HBG's hinted rows, then OPS's expert rows:
 Rows that are not the policy's own (hinted, expert) do not count in the training success the
 step reports (`success`, `healthy_rate`, the states: on-policy rows only); theirs is logged
 apart (`sup/expert_success`, `sup/hinted_success`).
+
+The interleaved signals -- ETS, PRS, the adaptive schedule -- and the `sft_only` control run
+SFT phases between steps instead: interleave.py.
 """
 
 from __future__ import annotations
