@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from toolcollapse.chat import PieceEncoder
+from toolcollapse.chat import PieceEncoder, generation_prompt
 from toolcollapse.config import PhaseConfig, load_config
 from toolcollapse.evaluate import SamplingParams
 from toolcollapse.interleave import (Failure, PhaseRunner, collect_failures, correction_example, judged,
@@ -80,6 +80,26 @@ def test_a_rollout_that_matches_the_reference_has_no_turn_level_mistake():
     assert deterministic_judge(TASK, _episode(*turns)).turn is None
 
 
+def test_a_task_judged_on_state_has_no_wrong_answer():
+    """BFCL's tasks have no answer text (success is the tools' state): a closing reply other than the
+    reference's is not a mistake, so the judge looks on for one in the calls."""
+    state_task = dataclasses.replace(TASK, answer="")
+    turns = [GOOD_1, (_call(LOOKUP, entity="Bob", attribute="weight_kg"), None),
+             (_call("aggregate", values=[85.6, 63.8], function="argmax"), None),
+             (ParsedTurn(TurnState.HEALTHY_RESPONSE, (), None, "Done.", "answer"), None)]
+    assert deterministic_judge(state_task, _episode(*turns)).turn is None
+    assert deterministic_judge(TASK, _episode(*turns)).mistake == "wrong_answer"
+
+
+def test_an_adaptive_rollback_needs_two_checkpoints_kept():
+    from toolcollapse.config import rl_problems
+
+    problems = rl_problems(load_config(None, ["supervision.adaptive.enabled=true", "grpo.keep_checkpoints=1"]))
+    assert problems and "keep_checkpoints >= 2" in problems[0]
+    assert not rl_problems(load_config(None, ["supervision.adaptive.enabled=true",
+                                              "supervision.adaptive.rollback=false", "grpo.keep_checkpoints=1"]))
+
+
 def test_a_chat_judge_writes_the_reflection_and_the_deterministic_one_locates_it():
     seen = []
     judge = ChatJudge(lambda messages: seen.append(messages) or "The entity was misspelt.")
@@ -149,6 +169,31 @@ def test_the_correction_example_trains_the_reference_from_the_mistaken_turn_only
     want_ids, want_mask = encoder.encode_conversation(rest)
     assert trained == tokenizer.decode([i for i, m in zip(want_ids, want_mask) if m])
     assert trained.startswith("<tool_call>") and json.dumps(task.reference[2].tool_call.arguments["entity"]) in trained
+
+
+def test_a_correction_mid_episode_keeps_the_observation_the_policy_saw(tokenizer, world):
+    """The miscopied turn is not the last: the prefix runs on through the environment's reply to the wrong
+    call, exactly as sampled (template end, tool message), and stops before the next turn's prompt."""
+    task = next(t for t in world.tasks("train") if [m.tool_call.name for m in t.reference if m.tool_call][:2]
+                == [LOOKUP, LOOKUP])
+    second = [i for i, m in enumerate(task.reference) if m.role == "assistant"][1]
+    call = task.reference[second].tool_call
+    wrong = dataclasses.replace(call, arguments={**call.arguments, "entity": call.arguments["entity"] + "x"})
+    reference = list(task.reference)
+    reference[second] = Message("assistant", tool_call=wrong)
+    engine = RolloutEngine(torch.nn.Linear(1, 1), tokenizer, world)
+    episode = engine.replay([dataclasses.replace(task, reference=tuple(reference))],
+                            SamplingParams(max_turns=8, max_new_tokens=96))[0]
+    assert len(episode.turns) > 2
+    encoder = PieceEncoder(tokenizer)
+    failure = judged(Failure(0, task.id), task, episode, deterministic_judge, engine.decode,
+                     len(encoder.encode(generation_prompt())[0]))
+    assert failure.turn == 1 and failure.closed
+    reply = tokenizer.decode(failure.prefix[episode.turns[1].end:])
+    assert reply.startswith("<|im_end|>") and episode.turns[1].observation in reply and reply.endswith("<|im_end|>\n")
+    ids, mask = correction_example(encoder, task, failure, "template")
+    assert ids[:len(failure.prefix)] == failure.prefix and not any(mask[:len(failure.prefix)])
+    assert tokenizer.decode(ids[len(failure.prefix):]).startswith("<|im_start|>user\nReview of your attempt: Turn 2")
 
 
 def test_the_reflection_example_trains_the_reflection_only(tokenizer, miscopied):
@@ -231,8 +276,8 @@ def test_the_adaptive_schedule_rolls_back_to_the_checkpoint_before_an_injected_a
                                                                                      monkeypatch):
     """An alarm injected at step 3 (raised by the weights after 3 updates, step_000003): the weights come
     back from step_000002, the newest checkpoint before them -- step_000003 and step_000000 differ from
-    it, so a rollback to either would fail the test -- the LR halves from then on, and each action is
-    logged."""
+    it, so a rollback to either would fail the test --, step_000003 is deleted, the LR halves from then
+    on, and each action is logged."""
     from safetensors.torch import load_file
     from test_rl import _rl_config
 
@@ -246,6 +291,14 @@ def test_the_adaptive_schedule_rolls_back_to_the_checkpoint_before_an_injected_a
         return update(self, step, metrics) + ([Alarm(step, Rule("probe/injected"), 1.0)] if step == 3 else [])
 
     monkeypatch.setattr(rl.Watcher, "update", inject)
+    alarming = {}  # step_000003's weights, read before the rollback deletes it (it is off the path from then on)
+    rollback = rl._rollback
+
+    def keep_alarming(run_dir, step, model, optimizer):
+        alarming.update(load_file(run_dir / "checkpoints" / f"step_{step:06d}" / "model.safetensors"))
+        return rollback(run_dir, step, model, optimizer)
+
+    monkeypatch.setattr(rl, "_rollback", keep_alarming)
     config = _rl_config(tmp_path, answering_checkpoint, format_reward=1.0, group_size=4, schedule="constant")
     base = ["grpo.steps=5", "grpo.checkpoint_every=1", "grpo.keep_checkpoints=6", "supervision.adaptive.enabled=true",
             *QUIET]
@@ -257,9 +310,10 @@ def test_the_adaptive_schedule_rolls_back_to_the_checkpoint_before_an_injected_a
     ckpt = run / "checkpoints"
     restored, target = (load_file(ckpt / s / "model.safetensors") for s in ("step_000004", "step_000002"))
     assert all(torch.equal(restored[k], target[k]) for k in target)  # the step-3 update is undone
-    for other in ("step_000000", "step_000003"):
-        weights = load_file(ckpt / other / "model.safetensors")
-        assert any(not torch.equal(weights[k], target[k]) for k in target), other
+    first = load_file(ckpt / "step_000000" / "model.safetensors")
+    for other in (first, alarming):
+        assert any(not torch.equal(other[k], target[k]) for k in target)
+    assert not (ckpt / "step_000003").exists()  # the alarming weights: never a later rollback's target
     events = [a for a in read_jsonl(run / "alarms.jsonl") if a.get("event") == "recovery"]
     assert events == [{"step": 3, "event": "recovery", "adaptive/recovery": 1, "adaptive/rollback_to": 2,
                        "adaptive/lr_scale": 0.5}]

@@ -439,6 +439,9 @@ def rl_problems(cfg: RunConfig) -> list[str]:
     if s.ets.enabled and s.ets.window > s.ets.every:
         problems.append(f"supervision.ets: window={s.ets.window} > every={s.ets.every}: the window is the last "
                         "steps of one round")
+    if s.adaptive.enabled and s.adaptive.rollback and cfg.grpo.keep_checkpoints < 2:
+        problems.append("supervision.adaptive.rollback needs grpo.keep_checkpoints >= 2: the newest checkpoint "
+                        "can be the alarming step's own weights, and the one before it is the rollback target")
     if s.sft_only_enabled and (s.sft_only.tokens > 0) == (s.sft_only.match is not None):
         problems.append("supervision.sft_only: give tokens or match, not both")
     return problems

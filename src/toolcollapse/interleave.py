@@ -37,6 +37,7 @@ with the judge's verdict under PRS), so a resumed run rebuilds its phases' data 
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -69,33 +70,43 @@ class Failure:
     reflection: str = ""
     judge_prompt: list[dict[str, str]] | None = None  # the judge's chat input (PRS reflection target)
     prefix: list[int] | None = None  # the rollout's tokens through the turn that closes the failed prefix
-    observation: str | None = None  # the tool's reply after that turn, if any
+    closed: bool = False  # the prefix runs on to the next turn's start: the turn's end and its observation in it
+    observation: str | None = None  # (not closed) the tool's reply after that turn, if any
+    closing_turn: int | None = None  # the rollout's turn that ends the prefix (the mistaken one, or the last)
     resume_turn: int | None = None  # the reference assistant turn the correction continues from
 
 
 def collect_failures(step: int, episodes: Sequence[Episode], kinds: Sequence[str], tasks: dict[str, Task],
-                     judge: Judge | None, decode: Callable[[Sequence[int]], str]) -> list[Failure]:
-    """One Failure per task whose on-policy rows include a zero-reward one (the first such row is judged)."""
+                     judge: Judge | None, decode: Callable[[Sequence[int]], str],
+                     generation_prompt_len: int = 0) -> list[Failure]:
+    """One Failure per task whose on-policy rows include a failed one (reward 0 unless grpo.format_reward
+    shapes it); the first such row is judged."""
     out: dict[str, Failure] = {}
     for ep, kind in zip(episodes, kinds or ["policy"] * len(episodes)):
         if kind != "policy" or ep.success or ep.task_id in out:
             continue
         failure = Failure(step, ep.task_id)
         if judge is not None:
-            failure = judged(failure, tasks[ep.task_id], ep, judge, decode)
+            failure = judged(failure, tasks[ep.task_id], ep, judge, decode, generation_prompt_len)
         out[ep.task_id] = failure
     return list(out.values())
 
 
-def judged(failure: Failure, task: Task, episode: Episode, judge: Judge, decode: Callable) -> Failure:
+def judged(failure: Failure, task: Task, episode: Episode, judge: Judge, decode: Callable,
+           generation_prompt_len: int = 0) -> Failure:
+    """`failure` with the judge's verdict on `episode`, and the failed prefix a correction example needs:
+    the rollout's tokens up to the next turn's generation prompt (the turn's end and the observations
+    as the policy saw them, roles included), or through the turn when it was the last."""
     verdict = judge(task, episode, decode)
     if verdict.turn is None or not episode.turns:
         return dataclasses.replace(failure, mistake=verdict.mistake, reflection=verdict.reflection)
     closing = min(verdict.turn, len(episode.turns) - 1)  # a stopped-early episode: its last turn closes the prefix
+    closed = closing + 1 < len(episode.turns)
+    end = episode.turns[closing + 1].start - generation_prompt_len if closed else episode.turns[closing].end
     return dataclasses.replace(
         failure, turn=verdict.turn, mistake=verdict.mistake, reflection=verdict.reflection,
-        judge_prompt=judge_messages(task, episode, decode, closing),
-        prefix=episode.tokens[:episode.turns[closing].end], observation=episode.turns[closing].observation,
+        judge_prompt=judge_messages(task, episode, decode, closing), prefix=episode.tokens[:end], closed=closed,
+        observation=None if closed else episode.turns[closing].observation, closing_turn=closing,
         resume_turn=verdict.turn)
 
 
@@ -124,12 +135,19 @@ def latest_per_task(failures: Sequence[Failure], first_step: int = 0) -> list[Fa
 
 def correction_example(encoder: PieceEncoder, task: Task, failure: Failure, call_end: CallEnd) -> Example:
     """The failed prefix as sampled (closed as the template closes a turn), the reflection as a user turn,
-    then the reference from the mistaken turn on; only the continuation's assistant tokens are trained."""
+    then the reference from the mistaken turn on; only the continuation's assistant tokens are trained.
+    An episode that stopped after correct turns gets the reference's reply to its last one first."""
     prefix = list(failure.prefix or [])
-    im_end = encoder.special_ids[IM_END]
-    close = [Piece("\n")] if prefix and prefix[-1] == im_end else [tag(IM_END), Piece("\n")]
-    between = close + (conversation_pieces([Message("tool", failure.observation)]) if failure.observation is not None
-                       else [])
+    between: list[Piece] = []
+    if not failure.closed:
+        im_end = encoder.special_ids[IM_END]
+        between = [Piece("\n")] if prefix and prefix[-1] == im_end else [tag(IM_END), Piece("\n")]
+        assistant_at = [i for i, m in enumerate(task.reference) if m.role == "assistant"]
+        if failure.observation is not None:
+            between += conversation_pieces([Message("tool", failure.observation)])
+        elif failure.closing_turn < failure.resume_turn <= len(assistant_at):  # stopped early, last reply not run
+            upto = assistant_at[failure.resume_turn] if failure.resume_turn < len(assistant_at) else None
+            between += conversation_pieces(task.reference[assistant_at[failure.closing_turn] + 1:upto])
     between += conversation_pieces([Message("user", f"Review of your attempt: {failure.reflection}")])
     assistant_at = [i for i, m in enumerate(task.reference) if m.role == "assistant"]
     rest = list(task.reference[assistant_at[failure.resume_turn]:]) if failure.resume_turn < len(assistant_at) else []
@@ -179,7 +197,7 @@ def sft_phase(model: Any, examples: Sequence[Example], pc: Any, micro_batch_size
     optimizer = make_optimizer(model, pc.lr, 0.0, (0.9, 0.95))
     rng = random.Random(seed)
     losses: list[float] = []
-    tokens = 0
+    tokens, skipped = 0, 0
     was_training = model.training
     model.train()
     for _ in range(pc.epochs):
@@ -193,14 +211,17 @@ def sft_phase(model: Any, examples: Sequence[Example], pc: Any, micro_batch_size
                 nll = F.cross_entropy(logits.float(), targets, reduction="sum")
                 (nll / max(1, n)).backward()
                 total += nll.item()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-            optimizer.step()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            if math.isfinite(total) and torch.isfinite(norm):  # as grpo_update: a non-finite step is skipped
+                optimizer.step()
+                losses.append(total / max(1, n))
+                tokens += n
+            else:
+                skipped += 1
             optimizer.zero_grad(set_to_none=True)
-            losses.append(total / max(1, n))
-            tokens += n
     model.train(was_training)
-    return {"phase/steps": float(len(losses)), "phase/tokens": float(tokens), "phase/loss_first": losses[0],
-            "phase/loss_last": losses[-1]}
+    out = {"phase/steps": float(len(losses)), "phase/tokens": float(tokens), "phase/skipped_nonfinite": float(skipped)}
+    return out | ({"phase/loss_first": losses[0], "phase/loss_last": losses[-1]} if losses else {})
 
 
 @dataclass
@@ -226,9 +247,18 @@ class PhaseRunner:
         tqdm.write(f"rl: {name} phase after step {step}: {stats['phase/tasks']:.0f} failed tasks, "
                    f"{stats['phase/steps']:.0f} SFT steps, {stats['phase/tokens']:.0f} tokens"
                    + (f", loss {stats['phase/loss_first']:.3f} -> {stats['phase/loss_last']:.3f}"
-                      if stats["phase/steps"] else ""))
+                      if "phase/loss_first" in stats else ""))
         append_jsonl(self.run_dir / PHASES, {"step": step, "phase": name, **stats})
         return stats
+
+    def judge_at(self, step: int, judge: Judge | None) -> Judge | None:
+        """The judge where its verdicts can be used: PRS on, and `step` inside an ETS window (or anywhere
+        when the adaptive schedule may run a phase on the failures so far)."""
+        s = self.cfg.supervision
+        if judge is None or not s.prs.enabled:
+            return None
+        in_window = s.ets.enabled and step % s.ets.every >= s.ets.every - s.ets.window
+        return judge if in_window or (s.adaptive.enabled and s.adaptive.sft) else None
 
     def ets_round_ends(self, step: int) -> bool:
         e = self.cfg.supervision.ets

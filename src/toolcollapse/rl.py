@@ -44,6 +44,7 @@ import functools
 import json
 import math
 import operator
+import shutil
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -55,7 +56,7 @@ from tqdm.auto import tqdm
 
 from toolcollapse.advantages import group_advantages
 from toolcollapse.alarms import Alarm, Watcher, run_rules
-from toolcollapse.chat import CONTROL_TAGS, PieceEncoder
+from toolcollapse.chat import CONTROL_TAGS, PieceEncoder, generation_prompt
 from toolcollapse.checkpoint import complete_checkpoints, load_trainer_state, save_checkpoint
 from toolcollapse.config import (ConfigError, RunConfig, checkpoint_problems, dump_config, first_difference, load_config,
                                  rl_problems)
@@ -373,13 +374,24 @@ class AlarmContext:
     run_dir: Path
     model: Any
     optimizer: torch.optim.Optimizer
-    save_checkpoint: Callable[[], Path]  # a resumable checkpoint after this step
+    save_checkpoint: Callable[[], Path]  # ask for a resumable checkpoint after this step (written once
+    # the step's metrics row is); returns its path
     stop: bool = False  # set True to end the run after this step
     rollback: Callable[[], int] | None = None  # restore the newest checkpoint before `step`; its step
     scale_lr: Callable[[float], float] | None = None  # multiply the LR from now on; the scale so far
     sft_phase: Callable[[str], dict[str, float]] | None = None  # SFT on every task failed so far; its stats
     recoveries: int = 0  # adaptive recoveries before this one
     events: dict[str, Any] = field(default_factory=dict)  # what the handler did: into the step's metrics row
+    saved: bool = False  # set by save_checkpoint
+
+    def __post_init__(self) -> None:
+        path = self.save_checkpoint
+
+        def ask() -> Path:
+            self.saved = True
+            return path()
+
+        self.save_checkpoint = ask
 
 
 AlarmHandler = Callable[[list[Alarm], AlarmContext], None]
@@ -391,7 +403,7 @@ def config_handler(action: str) -> AlarmHandler:
     def handle(alarms: list[Alarm], ctx: AlarmContext) -> None:
         if action in ("checkpoint", "stop"):
             path = ctx.save_checkpoint()
-            tqdm.write(f"rl: checkpoint on alarm: {path}")
+            tqdm.write(f"rl: checkpoint on alarm: {path} (after this step)")
         ctx.stop = action == "stop"
 
     return handle
@@ -520,15 +532,20 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
         update_stats = policy_step(model, ref_model, optimizer, episodes, rewards, g, tokenizer.pad_token_id,
                                    probe_tokens, share_rows, cfg.rollout.temperature, sup)
         if s.interleaved:
-            failed = collect_failures(step, episodes, kinds, phases.tasks, judge, engine.decode)
+            failed = collect_failures(step, episodes, kinds, phases.tasks, phases.judge_at(step, judge),
+                                      engine.decode, len(engine.encoder.encode(generation_prompt())[0]))
             log_failures(run_dir, failed)
             phases.failures += failed
         metrics = {"step": step, "lr": lr, **probe_stats, **update_stats, **row_kind_stats(episodes, kinds),
                    "seconds": time.time() - t_probe, "seconds_probe": t_val - t_probe,
                    "seconds_rollout": t_rollout - t0, "seconds_update": time.time() - t_rollout}
+        if phases.ets_round_ends(step):  # part of the step: an alarm's checkpoint or rollback sees it done
+            metrics.update({f"ets/{k.removeprefix('phase/')}": v for k, v in
+                            _phase(phases, "ets", step=step, failures=phases.ets_failures(step), optimizer=optimizer).items()})
         alarms = watcher.update(step, metrics)
-        save = functools.partial(save_at, step + 1)
-        ctx = AlarmContext(step, run_dir, model, optimizer, save, recoveries=recoveries)
+        saved = run_dir / "checkpoints" / f"step_{step + 1:06d}"
+        ctx = AlarmContext(step, run_dir, model, optimizer, lambda path=saved: path, recoveries=recoveries)
+        stop = False
         if alarms:
             ctx.rollback = functools.partial(_rollback, run_dir, step, model, optimizer)
             ctx.scale_lr = functools.partial(operator.mul, lr_scale)
@@ -540,11 +557,6 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
                 lr_scale = ctx.events.get("adaptive/lr_scale", lr_scale)
                 watcher.rearm()
             metrics.update(ctx.events)
-        else:
-            stop = False
-        if phases.ets_round_ends(step) and not stop:
-            metrics.update({f"ets/{k.removeprefix('phase/')}": v for k, v in
-                            _phase(phases, "ets", step=step, failures=phases.ets_failures(step), optimizer=optimizer).items()})
         phase_tokens = metrics.get("ets/tokens", 0.0) + metrics.get("adaptive/tokens", 0.0)
         if "sup/sft_tokens" in update_stats or phase_tokens:
             sft_tokens_total += update_stats.get("sup/sft_tokens", 0.0) + phase_tokens
@@ -556,10 +568,12 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
         bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", healthy=f"{metrics['healthy_rate']:.2f}",
                         informative=f"{metrics['frac_groups_informative']:.2f}", alarms=len(watcher.alarms),
                         **({"val": last_val} if val_tasks else {}), refresh=False)
+        # after the step's row: a resumed run starts past it, without redoing its phase or recovery
+        if (stop or ctx.saved or (step + 1) % g.checkpoint_every == 0 or step + 1 == g.steps or phase_tokens
+                or ctx.events or "ets/steps" in metrics):
+            save_at(step + 1)
         if stop:
             break
-        if (step + 1) % g.checkpoint_every == 0 or step + 1 == g.steps or phase_tokens or ctx.events:
-            save()  # also after an SFT phase or a recovery: a resumed run must not redo them
     bar.close()
     writer.close()
     return run_dir
@@ -573,6 +587,9 @@ def _rollback(run_dir: Path, step: int, model: Any, optimizer: torch.optim.Optim
         raise RuntimeError(f"adaptive rollback at step {step}: no checkpoint before it in {run_dir}/checkpoints "
                            "(raise grpo.keep_checkpoints or lower grpo.checkpoint_every)")
     target = before[-1]
+    for later in complete_checkpoints(run_dir):  # weights off the path from now on: never a later rollback's target
+        if later.name > target.name:
+            shutil.rmtree(later)
     model.load_state_dict(load_model(target, trainable=True).state_dict())
     optimizer.load_state_dict(torch.load(target / "trainer.pt", map_location="cpu", weights_only=False)["optimizer"])
     tqdm.write(f"rl: adaptive: rolled back to {target}")
@@ -593,9 +610,9 @@ def run_sft_only(cfg: RunConfig, run_dir: Path, resume: bool) -> Path:
     epochs, LR and batch; no RL. Saves the result as the checkpoint an RL run of `grpo.steps` would."""
     run_dir = Path(run_dir)
     s, g = cfg.supervision, cfg.grpo
-    target = s.sft_only.tokens or _matched_tokens(s.sft_only.match.replace("{seed}", str(cfg.seed)), cfg)
     if resume and complete_checkpoints(run_dir):
         return run_dir
+    target = s.sft_only.tokens or _matched_tokens(s.sft_only.match.replace("{seed}", str(cfg.seed)), cfg)
     set_threads(cfg.threads)
     seed_everything(cfg.seed)
     model, tokenizer, _ = _policy_and_reference(dataclasses.replace(cfg, grpo=dataclasses.replace(g, kl_coef=0.0)),
@@ -609,6 +626,8 @@ def run_sft_only(cfg: RunConfig, run_dir: Path, resume: bool) -> Path:
         if tokens * s.phase.epochs >= target:
             break
         example = encode_tasks(encoder, [task], cfg.rollout.call_end)[0]
+        if len(example[0]) > cfg.model.max_seq_len:
+            continue
         examples.append(example)
         tokens += trained_tokens([example])
     t0 = time.time()

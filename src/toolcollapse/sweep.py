@@ -346,7 +346,8 @@ def _mean_sd(values: list[float]) -> str:
 
 def format_method_table(rows: list[dict[str, Any]], splits: list[str], start: dict[str, float]) -> str:
     """One line per setting, over its seeds: the healthy-turn rate's 5-step mean (min, final; mean over
-    seeds), collapses, greedy success per eval split (mean ± sd, %), SFT tokens and wall time."""
+    seeds), collapses, greedy success per eval split (mean ± sd, %; n= where fewer seeds were evaluated
+    than run), SFT tokens and wall time (means over the runs done; "k/n" seeds where some are not)."""
     head = ("| setting | seeds | healthy min | healthy final | collapsed (@ steps) | "
             + " | ".join(f"{s} %" for s in splits) + " | SFT tokens | wall (min) |")
     lines = [head, "|---" * (head.count("|") - 1) + "|",
@@ -355,15 +356,18 @@ def format_method_table(rows: list[dict[str, Any]], splits: list[str], start: di
     for setting in dict.fromkeys(r["setting"] for r in rows):
         runs = [r for r in rows if r["setting"] == setting]
         rl = [r for r in runs if r.get("steps_done")]
+        done = [r for r in runs if r.get("steps_done") or r.get("sft_only")]
         collapsed = [r["collapse_step"] for r in rl if r["collapsed"]]
-        success = [_mean_sd([r[k] for r in runs if k in r])
-                   for k in ["eval_success"] + [f"{s}/eval_success" for s in splits[1:]]]
-        cells = [setting, str(len(runs)),
+        success = []
+        for key in ["eval_success"] + [f"{s}/eval_success" for s in splits[1:]]:
+            values = [r[key] for r in runs if key in r]
+            success.append(_mean_sd(values) + (f" (n={len(values)})" if values and len(values) < len(done) else ""))
+        cells = [setting, str(len(done)) if len(done) == len(runs) else f"{len(done)}/{len(runs)}",
                  _mean_sd([r["healthy_min_smooth"] for r in rl]), _mean_sd([r["healthy_end_smooth"] for r in rl]),
                  f"{len(collapsed)}/{len(rl)}" + (f" (@ {', '.join(map(str, collapsed))})" if collapsed else "")
                  if rl else ("no RL" if any(r.get("sft_only") for r in runs) else "not run"), *success,
-                 f"{sum(r['sft_tokens'] for r in runs) / len(runs):.0f}",
-                 f"{sum(r['wall_s'] for r in runs) / len(runs) / 60:.1f}"]
+                 f"{sum(r['sft_tokens'] for r in done) / max(1, len(done)):.0f}",
+                 f"{sum(r['wall_s'] for r in done) / max(1, len(done)) / 60:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -375,7 +379,7 @@ def start_success(sweep: SweepConfig) -> dict[str, float]:
     out = {}
     for split in eval_splits(sweep):
         path = start_eval_dir(sweep) / f"{split}.jsonl"
-        if path.is_file():
-            results = read_jsonl(path)
+        results = read_jsonl(path) if path.is_file() else []
+        if results:
             out[split] = sum(r["success"] for r in results) / len(results)
     return out
