@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from toolcollapse.chat import IM_END, Piece, PieceEncoder, conversation_pieces, tag
@@ -53,7 +52,8 @@ from toolcollapse.judge import Judge, judge_messages
 from toolcollapse.optim import make_optimizer
 from toolcollapse.records import CallEnd, Episode, Message, Task
 from toolcollapse.runtime import append_jsonl, read_jsonl
-from toolcollapse.sft import Example, batch_logits, encode_tasks
+from toolcollapse.sft import Example, encode_tasks
+from toolcollapse.supervision import SFTTerm
 
 FAILURES = "failures.jsonl"
 PHASES = "phases.jsonl"
@@ -138,18 +138,17 @@ def correction_example(encoder: PieceEncoder, task: Task, failure: Failure, call
     then the reference from the mistaken turn on; only the continuation's assistant tokens are trained.
     An episode that stopped after correct turns gets the reference's reply to its last one first."""
     prefix = list(failure.prefix or [])
+    assistant_at = [i for i, m in enumerate(task.reference) if m.role == "assistant"]
     between: list[Piece] = []
     if not failure.closed:
         im_end = encoder.special_ids[IM_END]
         between = [Piece("\n")] if prefix and prefix[-1] == im_end else [tag(IM_END), Piece("\n")]
-        assistant_at = [i for i, m in enumerate(task.reference) if m.role == "assistant"]
         if failure.observation is not None:
             between += conversation_pieces([Message("tool", failure.observation)])
         elif failure.closing_turn < failure.resume_turn <= len(assistant_at):  # stopped early, last reply not run
             upto = assistant_at[failure.resume_turn] if failure.resume_turn < len(assistant_at) else None
             between += conversation_pieces(task.reference[assistant_at[failure.closing_turn] + 1:upto])
     between += conversation_pieces([Message("user", f"Review of your attempt: {failure.reflection}")])
-    assistant_at = [i for i, m in enumerate(task.reference) if m.role == "assistant"]
     rest = list(task.reference[assistant_at[failure.resume_turn]:]) if failure.resume_turn < len(assistant_at) else []
     ids, _ = encoder.encode(between)
     rest_ids, rest_mask = encoder.encode(conversation_pieces(rest, call_end=call_end))
@@ -195,6 +194,7 @@ def sft_phase(model: Any, examples: Sequence[Example], pc: Any, micro_batch_size
     if not examples:
         return {"phase/steps": 0.0, "phase/tokens": 0.0}
     optimizer = make_optimizer(model, pc.lr, 0.0, (0.9, 0.95))
+    nll = SFTTerm(1.0, micro_batch_size, pad_id)  # the token-mean NLL of a batch, micro-batched
     rng = random.Random(seed)
     losses: list[float] = []
     tokens, skipped = 0, 0
@@ -203,19 +203,12 @@ def sft_phase(model: Any, examples: Sequence[Example], pc: Any, micro_batch_size
     for _ in range(pc.epochs):
         order = rng.sample(range(len(examples)), len(examples))
         for start in range(0, len(order), pc.batch_size):
-            batch = [examples[i] for i in order[start:start + pc.batch_size]]
-            n = trained_tokens(batch)
-            total = 0.0
-            for m in range(0, len(batch), micro_batch_size):
-                logits, targets = batch_logits(model, batch[m:m + micro_batch_size], pad_id)
-                nll = F.cross_entropy(logits.float(), targets, reduction="sum")
-                (nll / max(1, n)).backward()
-                total += nll.item()
+            stats = nll.backward(model, [examples[i] for i in order[start:start + pc.batch_size]])
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-            if math.isfinite(total) and torch.isfinite(norm):  # as grpo_update: a non-finite step is skipped
+            if math.isfinite(stats["sup/sft_nll"]) and torch.isfinite(norm):  # as grpo_update: skip a non-finite step
                 optimizer.step()
-                losses.append(total / max(1, n))
-                tokens += n
+                losses.append(stats["sup/sft_nll"])
+                tokens += int(stats["sup/sft_tokens"])
             else:
                 skipped += 1
             optimizer.zero_grad(set_to_none=True)

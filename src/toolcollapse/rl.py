@@ -374,8 +374,6 @@ class AlarmContext:
     run_dir: Path
     model: Any
     optimizer: torch.optim.Optimizer
-    save_checkpoint: Callable[[], Path]  # ask for a resumable checkpoint after this step (written once
-    # the step's metrics row is); returns its path
     stop: bool = False  # set True to end the run after this step
     rollback: Callable[[], int] | None = None  # restore the newest checkpoint before `step`; its step
     scale_lr: Callable[[float], float] | None = None  # multiply the LR from now on; the scale so far
@@ -384,14 +382,10 @@ class AlarmContext:
     events: dict[str, Any] = field(default_factory=dict)  # what the handler did: into the step's metrics row
     saved: bool = False  # set by save_checkpoint
 
-    def __post_init__(self) -> None:
-        path = self.save_checkpoint
-
-        def ask() -> Path:
-            self.saved = True
-            return path()
-
-        self.save_checkpoint = ask
+    def save_checkpoint(self) -> Path:
+        """Ask for a resumable checkpoint after this step, written once the step's metrics row is; its path."""
+        self.saved = True
+        return self.run_dir / "checkpoints" / f"step_{self.step + 1:06d}"
 
 
 AlarmHandler = Callable[[list[Alarm], AlarmContext], None]
@@ -423,11 +417,10 @@ def _raise(alarms: list[Alarm], ctx: AlarmContext, handle: AlarmHandler) -> bool
     return ctx.stop
 
 
-def _watcher(cfg: RunConfig, run_dir: Path) -> Watcher:
+def _watcher(cfg: RunConfig, rows: Sequence[dict[str, Any]]) -> Watcher:
     """The run's alarm rules, fed the metrics of the steps already taken (a resumed run does not re-alarm)."""
     watcher = Watcher(run_rules(cfg.monitor))
-    path = run_dir / "metrics.jsonl"
-    for row in read_jsonl(path) if path.is_file() else []:
+    for row in rows:
         watcher.update(row["step"], row)
         if "adaptive/recovery" in row:
             watcher.rearm()
@@ -482,7 +475,7 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
     _truncate_logs(run_dir, start)
     writer = _tensorboard(run_dir, start)
     rows = read_jsonl(run_dir / "metrics.jsonl") if start else []
-    watcher = _watcher(cfg, run_dir)
+    watcher = _watcher(cfg, rows)
     if on_alarm is None:
         on_alarm = adaptive_handler(s.adaptive) if s.adaptive.enabled else config_handler(m.on_alarm)
 
@@ -503,6 +496,7 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
     recoveries = sum("adaptive/recovery" in r for r in rows)
     save_at = lambda k: save_checkpoint(run_dir, k, model, tokenizer, optimizer,  # noqa: E731
                                         lambda p: dump_config(cfg, p / "toolcollapse.yaml"), g.keep_checkpoints)
+    prompt_len = len(engine.encoder.encode(generation_prompt())[0])  # a turn's <|im_start|>assistant
     if s.adaptive.enabled and s.adaptive.rollback and not done:
         save_at(0)  # a rollback target before the first periodic checkpoint
     model.train()
@@ -533,7 +527,7 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
                                    probe_tokens, share_rows, cfg.rollout.temperature, sup)
         if s.interleaved:
             failed = collect_failures(step, episodes, kinds, phases.tasks, phases.judge_at(step, judge),
-                                      engine.decode, len(engine.encoder.encode(generation_prompt())[0]))
+                                      engine.decode, prompt_len)
             log_failures(run_dir, failed)
             phases.failures += failed
         metrics = {"step": step, "lr": lr, **probe_stats, **update_stats, **row_kind_stats(episodes, kinds),
@@ -543,8 +537,7 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
             metrics.update({f"ets/{k.removeprefix('phase/')}": v for k, v in
                             _phase(phases, "ets", step=step, failures=phases.ets_failures(step), optimizer=optimizer).items()})
         alarms = watcher.update(step, metrics)
-        saved = run_dir / "checkpoints" / f"step_{step + 1:06d}"
-        ctx = AlarmContext(step, run_dir, model, optimizer, lambda path=saved: path, recoveries=recoveries)
+        ctx = AlarmContext(step, run_dir, model, optimizer, recoveries=recoveries)
         stop = False
         if alarms:
             ctx.rollback = functools.partial(_rollback, run_dir, step, model, optimizer)
