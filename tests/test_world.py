@@ -140,3 +140,24 @@ def test_the_content_shift_one_axis_at_a_time(world):
         assert all(t.meta["n_calls"] in calls_range for t in tasks)
         assert any(name in tasks[0].prompt[1].content for name in main_names)
     assert len({t.meta["template"] for t in compositions}) == 3 and len({t.meta["template"] for t in chains}) == 2
+
+
+
+def test_ood_facts_asks_about_trained_entities_in_a_counterfactual_world(world):
+    """ood_facts: main-pool names, programs disjoint from train, every fact drawn again; its
+    reference conversations are the counterfactual world's (the episode's tools answer from it),
+    and the same calls in the real world give other results."""
+    facts = world.tasks("ood_facts")
+    train_keys = {t.meta["key"] for t in world.tasks("train")}
+    main_names = {e.name for e in world.kb.entities.values() if e.pool == "main"}
+    assert all(t.meta["facts"] == "counterfactual" and t.meta["pool"] == "main" for t in facts)
+    assert all(t.meta["template"] in TRAIN_TEMPLATES and t.meta["key"] not in train_keys for t in facts)
+    assert all(any(f'"{n}"' in t.prompt[1].content for n in main_names) for t in facts)
+    assert all(t.meta["facts"] == "real" for t in world.tasks("test"))
+    assert replay_references(world, facts, "ood_facts").failures == ()
+
+    def real_results(task):
+        return [world.functions.execute(call)[0] for call in calls(task)]
+    differ = sum(real_results(t) != results(t) for t in facts)
+    assert differ >= 0.9 * len(facts)
+    assert all(real_results(t) == results(t) for t in world.tasks("test")[:50])

@@ -31,7 +31,8 @@ import yaml
 
 from toolcollapse.records import CallEnd
 
-Split = Literal["train", "test", "ood_content", "ood_format", "ood_entities", "ood_compositions", "ood_chains"]
+Split = Literal["train", "test", "ood_content", "ood_format", "ood_entities", "ood_facts", "ood_compositions",
+                "ood_chains"]
 SPLITS: tuple[str, ...] = typing.get_args(Split)
 
 

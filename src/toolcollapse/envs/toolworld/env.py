@@ -1,5 +1,8 @@
 """The tool world as an `Environment`: tasks by split, tool execution, answer check.
 
+Two sets of facts: the real world, and for `ood_facts` the counterfactual one (the same
+entities, every fact drawn again); a task's `meta["facts"]` says which its tools answer from.
+
 Calls run in the tool process (`toolcollapse.sandbox`), each within `tools.timeout_s`:
 a call past it is answered with an error observation, and nothing a model writes can
 hang or crash the episode.
@@ -16,9 +19,9 @@ from toolcollapse.chat import render_text
 from toolcollapse.config import SPLITS, ToolsConfig, WorldConfig
 from toolcollapse.envs.base import EpisodeState
 from toolcollapse.envs.toolworld.functions import WorldTools
-from toolcollapse.envs.toolworld.kb import generate_kb
+from toolcollapse.envs.toolworld.kb import counterfactual, generate_kb
 from toolcollapse.envs.toolworld.prompts import STYLES, system_prompt
-from toolcollapse.envs.toolworld.tasks import make_tasks
+from toolcollapse.envs.toolworld.tasks import RECIPES, make_tasks
 from toolcollapse.records import Message, ParsedTurn, Task, ToolCall
 from toolcollapse.sandbox import Sandbox
 
@@ -32,10 +35,11 @@ class ToolWorld:
     def __init__(self, cfg: WorldConfig = WorldConfig(), tools: ToolsConfig = ToolsConfig()):
         self.cfg = cfg
         self.kb = generate_kb(cfg.seed, cfg.pool_scale)
+        self.kbs = {"real": self.kb, "counterfactual": counterfactual(self.kb, cfg.seed)}
         self.functions = WorldTools(self.kb, distractors=cfg.distractor_tools)  # the oracle's, in this process
         self.tool_table = dict(self.functions.by_name)
         self.sandbox = Sandbox(tools.timeout_s, tools.memory_mb, tools.isolated, preload=(__name__,))
-        self._session: int | None = None  # the tool process's copy of the functions (they hold no state)
+        self._sessions: dict[str, int] = {}  # facts -> the tool process's copy of the functions (no state)
         self._splits: dict[str, list[Task]] = {}
 
     def tasks(self, split: str, n: int | None = None) -> list[Task]:
@@ -46,8 +50,13 @@ class ToolWorld:
             held_out = frozenset()
             if split == "train":  # no program of an in-distribution eval split is trained on
                 held_out = frozenset(t.meta["key"] for s in ("test", "ood_format") for t in self.tasks(s))
-            self._splits[split] = make_tasks(split, sizes.get(split, self.cfg.n_ood), self.cfg.seed, self.kb, self.functions, held_out,
-                                             self.cfg.quote_entities)
+            facts = RECIPES[split].facts
+            if facts != "real":  # the trained programs, asked in another world, are not what it tests
+                held_out = frozenset(t.meta["key"] for t in self.tasks("train"))
+            kb = self.kbs[facts]
+            functions = self.functions if facts == "real" else WorldTools(kb, distractors=self.cfg.distractor_tools)
+            self._splits[split] = make_tasks(split, sizes.get(split, self.cfg.n_ood), self.cfg.seed, kb, functions,
+                                             held_out, self.cfg.quote_entities)
         tasks = self._splits[split]
         return tasks if n is None else tasks[:n]
 
@@ -68,7 +77,7 @@ class ToolWorld:
             state.n_calls += 1
             if turn.call is None:
                 return [Message("tool", json.dumps({"error": f"could not parse the tool call: {turn.detail}"}))]
-            return [Message("tool", self.run_call(turn.call))]
+            return [Message("tool", self.run_call(turn.call, state.task.meta.get("facts", "real")))]
         if turn.end == "answer":
             state.final_text = turn.text
         state.done = True
@@ -77,12 +86,13 @@ class ToolWorld:
     def success(self, state: EpisodeState) -> bool:
         return state.final_text is not None and answer_matches(state.final_text, state.task.answer)
 
-    def run_call(self, call: ToolCall) -> str:
-        """The observation of one call, run in the tool process within the time limit."""
-        if self._session is None:
-            self._session = self.sandbox.open(functools.partial(WorldTools, self.kb, self.cfg.distractor_tools),
-                                              stateless=True)
-        outcome = self.sandbox.call(self._session, _observation, call)
+    def run_call(self, call: ToolCall, facts: str = "real") -> str:
+        """The observation of one call in the world `facts`, run in the tool process within the
+        time limit."""
+        if facts not in self._sessions:
+            self._sessions[facts] = self.sandbox.open(
+                functools.partial(WorldTools, self.kbs[facts], self.cfg.distractor_tools), stateless=True)
+        outcome = self.sandbox.call(self._sessions[facts], _observation, call)
         if outcome.ok:
             return outcome.value
         return json.dumps({"error": f"{call.name} did not finish: {outcome.error}"}, ensure_ascii=False)

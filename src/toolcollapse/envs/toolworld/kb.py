@@ -4,7 +4,8 @@ Entity names are invented from syllables, and their shape tells the kind (`Mount
 `X Labs`, `Xland`, two-word people), so a model can learn which attribute key a
 question means. Relations (a country's capital, a company's CEO) point to entities
 of the same pool, so chains of lookups stay inside the pool they started in: the
-`ood` pool's names never occur in training.
+`ood` pool's names never occur in training. `counterfactual` re-draws every fact of the
+main pool: the names a model has read, in a world it has not.
 """
 
 from __future__ import annotations
@@ -149,7 +150,21 @@ def generate_kb(seed: int, pool_scale: float = 1.0) -> KnowledgeBase:
             for name in names[(kind, pool)]:
                 attrs = {a.key: _value(a, rng, names, pool) for a in SCHEMA[kind]}
                 entities[name] = Entity(name, kind, pool, attrs)
-    _assign_capitals(entities, rng)
+    _assign_capitals(entities, rng, ("main", "ood"))
+    return KnowledgeBase(entities)
+
+
+def counterfactual(kb: KnowledgeBase, seed: int) -> KnowledgeBase:
+    """`kb` with every attribute of the main pool's entities drawn again, from a stream of its
+    own (relations stay in the pool, each country gets a capital again); the ood pool as is."""
+    rng = random.Random(f"kb-{seed}-counterfactual")
+    names = {(kind, "main"): [e.name for e in kb.pool(kind, "main")] for kind in KINDS}
+    entities = dict(kb.entities)
+    for e in kb.entities.values():
+        if e.pool == "main":
+            entities[e.name] = Entity(e.name, e.kind, e.pool,
+                                      {a.key: _value(a, rng, names, "main") for a in SCHEMA[e.kind]})
+    _assign_capitals(entities, rng, ("main",))
     return KnowledgeBase(entities)
 
 
@@ -169,9 +184,9 @@ def _loguniform(rng: random.Random, low: float, high: float) -> float:
     return math.exp(rng.uniform(math.log(low), math.log(high)))
 
 
-def _assign_capitals(entities: dict[str, Entity], rng: random.Random) -> None:
+def _assign_capitals(entities: dict[str, Entity], rng: random.Random, pools: tuple[str, ...]) -> None:
     """Each country gets its own capital, and that city's country is the country."""
-    for pool in ("main", "ood"):
+    for pool in pools:
         countries = [e for e in entities.values() if e.kind == "country" and e.pool == pool]
         cities = [e for e in entities.values() if e.kind == "city" and e.pool == pool]
         for country, city in zip(countries, rng.sample(cities, len(countries))):

@@ -14,6 +14,10 @@ Splits (all deterministic in the world seed):
 The content shift one axis at a time (ood_content mixes them; the model copies names it never
 saw poorly, so that mix can sit at 0 % and hide what a method costs on the other axes):
   ood_entities      unseen entities alone: the `ood` pool, TRAIN_TEMPLATES
+  ood_facts         unseen facts alone: the main pool's entities in the counterfactual world
+                    (`kb.counterfactual`: every attribute drawn again; the tools answer from
+                    it), TRAIN_TEMPLATES, programs disjoint from train. What the model read in
+                    training is wrong here: an answer recalled instead of read fails
   ood_compositions  unseen compositions alone: the main pool, OOD_TEMPLATES of at most 5 calls
   ood_chains        longer chains alone: the main pool, OOD_TEMPLATES of 6 calls
 """
@@ -310,6 +314,7 @@ class SplitRecipe:
     styles: tuple[str, ...]  # system prompt styles, one drawn per task
     shuffle_tools: bool
     ood_templates: tuple[str, ...] | None = None  # the OOD_TEMPLATES drawn from (None: all)
+    facts: str = "real"  # the world the tools answer from: "real" or "counterfactual"
 
 
 RECIPES: dict[str, SplitRecipe] = {
@@ -318,6 +323,7 @@ RECIPES: dict[str, SplitRecipe] = {
     "ood_content": SplitRecipe("ood", 0.5, ("qwen",), False),
     "ood_format": SplitRecipe("main", 0.0, OOD_STYLES, True),
     "ood_entities": SplitRecipe("ood", 0.0, ("qwen",), False),
+    "ood_facts": SplitRecipe("main", 0.0, ("qwen",), False, facts="counterfactual"),
     "ood_compositions": SplitRecipe("main", 1.0, ("qwen",), False, ("relation_date_shift", "difference_convert",
                                                                     "two_hop")),
     "ood_chains": SplitRecipe("main", 1.0, ("qwen",), False, ("extreme_of_five", "relation_total_convert")),
@@ -358,6 +364,6 @@ def make_tasks(split: str, n: int, seed: int, kb: KnowledgeBase, tools: WorldToo
             prompt=(Message("system", prompts[sys_key]), Message("user", plan.question)),
             reference=tuple(reference), answer=format_value(answer),
             meta={"template": name, "n_calls": len(plan.steps), "pool": recipe.pool, "style": style,
-                  "key": plan.key},
+                  "key": plan.key, "facts": recipe.facts},
         ))
     return tasks
