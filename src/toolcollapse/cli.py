@@ -1,4 +1,4 @@
-"""Command line: `toolcollapse sft | eval | rl | sweep | diagnose | world`.
+"""Command line: `toolcollapse sft | eval | rl | sweep | study | report | diagnose | world`.
 
 The CLI only parses arguments, builds the validated config and calls one library
 function; a bad config or a missing path exits with status 2 before any work.
@@ -44,6 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--summary-only", action="store_true", help="print the table of the runs already there")
     p.add_argument("--only", metavar="SETTING[,SETTING]", help="run (and tabulate) these settings only; "
                    "the others' runs stay as they are")
+
+    p = sub.add_parser("study", help="the whole study: SFT (or reuse it), the sweep, the evaluations, the report; "
+                       "run it again to finish an interrupted one")
+    p.add_argument("study_file", help="study YAML (configs/study/quick.yaml, full.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a study field, e.g. --set workers=1")
+
+    p = sub.add_parser("report", help="the report (tables, figures, findings checklist) of a study's runs")
+    p.add_argument("path", help="a study or sweep YAML, or a study's output directory")
 
     p = sub.add_parser("diagnose", help="alarms, collapse step and figures of a run; the lead-time table of a "
                        "sweep; four-state rates of another trainer's dumped rollouts")
@@ -186,6 +195,15 @@ def _prepare(args: argparse.Namespace) -> Callable[[], None]:
             print()
             print(format_method_table(rows, eval_splits(sweep), start_success(sweep)))
         return run_and_summarize
+    if args.command == "study":
+        from toolcollapse.study import plan_study, run_study
+
+        plan = plan_study(args.study_file, args.overrides)
+        return lambda: run_study(plan)
+    if args.command == "report":
+        from toolcollapse.study import report
+
+        return lambda: print(f"wrote {report(args.path)} and report.html")
     if args.command == "rl":
         cfg, run_dir = _rl_config(args)
     elif args.command == "eval":

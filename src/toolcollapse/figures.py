@@ -110,3 +110,27 @@ def plot_content(rows: Sequence[Mapping[str, Any]], diagnosis: Any, path: Path) 
         ax.plot([], [], linestyle=h.get_linestyle(), color="black", label=label)
     _mark(ax, diagnosis)
     return _save(fig, ax, "content on the probe set, validation and format", path)
+
+
+def plot_states_grid(panels: Mapping[str, Sequence[Mapping[str, Any]]], path: Path, title: str) -> Path:
+    """The four-state stacked areas of several runs side by side (a method each), one legend."""
+    n = len(panels)
+    cols = min(n, 4)
+    nrows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.2 * cols, 2.4 * nrows), sharey=True, squeeze=False)
+    for ax, (name, rows) in zip(axes.flat, panels.items()):
+        steps = [r["step"] for r in rows]
+        ax.stackplot(steps, [[r.get(f"state/{s.value}", 0.0) for r in rows] for s in TurnState],
+                     colors=[STATE_COLORS[s] for s in TurnState], alpha=0.9)
+        ax.set_ylim(0, 1)
+        ax.set_title(name, fontsize=9)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.legend([plt.Rectangle((0, 0), 1, 1, color=STATE_COLORS[s]) for s in TurnState],
+               [s.value for s in TurnState], loc="lower center", ncol=4, fontsize=8)
+    fig.suptitle(f"four turn states by method, {title} (x: RL step)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.06, 1, 0.96))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)

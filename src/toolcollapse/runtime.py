@@ -94,9 +94,17 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+_PROGRESS = {"shown": True}
+
+
+def hide_progress() -> None:
+    """No progress bars from `progress` in this process (a study's workers: the study shows one bar)."""
+    _PROGRESS["shown"] = False
+
+
 def progress(total: int, desc: str, initial: int = 0) -> tqdm:
     """A progress bar on stderr (step, postfix metrics, ETA); quiet when stderr is not a TTY
     except for a line every ~10 %."""
     interactive = sys.stderr.isatty()
     return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, leave=True,
-                mininterval=0.5 if interactive else 30.0, file=sys.stderr)
+                mininterval=0.5 if interactive else 30.0, file=sys.stderr, disable=not _PROGRESS["shown"])

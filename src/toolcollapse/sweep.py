@@ -22,7 +22,7 @@ import multiprocessing as mp
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from toolcollapse.config import (Checked, ConfigError, Count, NonNegInt, RunConfig, Split, checkpoint_problems,
                                  first_difference, load_config, rl_problems)
@@ -57,17 +57,20 @@ class RunSpec:
     cfg: RunConfig
 
 
-def load_sweep(path: str | Path, overrides: list[str] = ()) -> tuple[SweepConfig, list[RunSpec]]:
-    """Read the sweep file and build (and so validate) every run's config before any work."""
-    sweep = load_config(path, overrides, cls=SweepConfig, inherit=False)
+def load_sweep(path: str | Path, overrides: list[str] = (), cls: type = SweepConfig,
+               init_ready: bool = True) -> tuple[Any, list[RunSpec]]:
+    """Read the sweep file and build (and so validate) every run's config before any work.
+    `init_ready` False: the starting checkpoint is trained later (a study's SFT stage), so it is
+    not looked for; `check_start` does that once it is there."""
+    sweep = load_config(path, overrides, cls=cls, inherit=False)
     if not sweep.settings:
         raise ConfigError(f"{path}: settings is empty; name at least one set of overrides")
     unknown = sorted(set(sweep.eval_settings or ()) - set(sweep.settings))
     if unknown:
         raise ConfigError(f"eval_settings: {unknown[0]!r} is not one of the settings ({', '.join(sweep.settings)})")
-    if not (Path(sweep.init) / "config.json").is_file():
+    if init_ready and not (Path(sweep.init) / "config.json").is_file():
         raise ConfigError(f"init checkpoint not found: {sweep.init} (no config.json there); train it first with "
-                          f"`toolcollapse sft` (the studies in configs/study/ start from configs/tiny_long.yaml's)")
+                          f"`toolcollapse sft`, or run the study with `toolcollapse study`, which trains it")
     specs = []
     for name, sets in sweep.settings.items():
         if not isinstance(sets, dict):
@@ -86,6 +89,8 @@ def load_sweep(path: str | Path, overrides: list[str] = ()) -> tuple[SweepConfig
             specs.append(RunSpec(name, seed, run_dir, cfg))
     check_against_runs_there(specs)
     check_evaluations(sweep, specs)
+    if init_ready:
+        check_start(sweep)
     return sweep, specs
 
 
@@ -107,8 +112,6 @@ def check_evaluations(sweep: SweepConfig, specs: list[RunSpec]) -> None:
     """Every evaluation runs under `eval_config`: an evaluated setting may not change what it measures,
     and the starting checkpoint must suit it."""
     cfg = eval_config(sweep)
-    if sweep.eval_n and checkpoint_problems(cfg, sweep.init):
-        raise ConfigError(f"eval of init: {checkpoint_problems(cfg, sweep.init)[0]}")
     for spec in specs:
         if sweep.eval_n and (sweep.eval_settings is None or spec.setting in sweep.eval_settings):
             for key in ("env", "rollout.call_end"):
@@ -116,6 +119,13 @@ def check_evaluations(sweep: SweepConfig, specs: list[RunSpec]) -> None:
                 if here != there:
                     raise ConfigError(f"settings.{spec.setting}: {key}={here!r} differs from the evaluations' "
                                       f"{there!r} (the base config with the sweep's overrides); set it in overrides")
+
+
+def check_start(sweep: SweepConfig) -> None:
+    """The starting checkpoint suits the evaluations' config."""
+    cfg = eval_config(sweep)
+    if sweep.eval_n and checkpoint_problems(cfg, sweep.init):
+        raise ConfigError(f"eval of init: {checkpoint_problems(cfg, sweep.init)[0]}")
 
 
 def _get(cfg: Any, dotted: str) -> Any:
@@ -140,23 +150,31 @@ def eval_config(sweep: SweepConfig, split: str | None = None) -> RunConfig:
         raise ConfigError(f"overrides: {err}") from None
 
 
-def run_sweep(sweep: SweepConfig, specs: list[RunSpec]) -> list[Path]:
-    jobs = [(spec, sweep) for spec in specs]
+def run_sweep(sweep: SweepConfig, specs: list[RunSpec], on_done: Callable[[str], None] | None = None,
+              quiet: bool = False) -> list[Path]:
+    """Every run (and the starting checkpoint's evaluation) in `sweep.workers` processes; `on_done(what)`
+    as each finishes (default: a line on stdout). `quiet`: no progress bars from the workers."""
+    jobs = [(spec, sweep, quiet) for spec in specs]
     if sweep.eval_n:
-        jobs.append((None, sweep))
+        jobs.append((None, sweep, quiet))
     t0 = time.time()
+    report = on_done or (lambda done: print(f"sweep: {done} done ({time.time() - t0:.0f}s)", flush=True))
     ctx = mp.get_context("spawn")  # fresh interpreters: torch threads and RNG state do not leak across runs
     with ctx.Pool(sweep.workers, maxtasksperchild=1) as pool:
         for done in pool.imap_unordered(_run_one, jobs):
-            print(f"sweep: {done} done ({time.time() - t0:.0f}s)", flush=True)
+            report(done)
     return [s.run_dir for s in specs]
 
 
-def _run_one(job: tuple[RunSpec | None, SweepConfig]) -> str:
+def _run_one(job: tuple[RunSpec | None, SweepConfig, bool]) -> str:
     from transformers.utils import logging as hf_logging
 
+    from toolcollapse.runtime import hide_progress
+
     hf_logging.disable_progress_bar()
-    spec, sweep = job
+    spec, sweep, quiet = job
+    if quiet:
+        hide_progress()
     if spec is None:  # the starting checkpoint, evaluated once for comparison
         evaluate_checkpoint(Path(sweep.init), sweep, start_eval_dir(sweep))
         return f"eval of {sweep.init}"

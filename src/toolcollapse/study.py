@@ -1,0 +1,115 @@
+"""`toolcollapse study CONFIG`: the whole study in one command -- SFT (or reuse a finished one), the
+sweep of methods x learning rates x seeds, the evaluations, the report.
+
+A study file is a sweep file (sweep.py) with one more key, `sft_config`: the SFT recipe that
+trains `init` when `init` holds no finished checkpoint. Every stage skips what is done, so
+killing the study and running the same command again finishes it without redoing work: a
+finished SFT is reused (an unfinished one starts over: SFT has no checkpoints of its own), a
+finished run is not run again, an interrupted one resumes from its last checkpoint, an
+evaluation already there under the same limits is kept, and the report is rewritten from the
+run directories. One progress bar covers the study: its stage, runs done of all, and an ETA.
+
+    toolcollapse study configs/study/quick.yaml
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from toolcollapse.config import ConfigError, RunConfig, dump_config, load_config
+from toolcollapse.sweep import SweepConfig, check_start, load_sweep, run_sweep
+
+FINISHED_SFT_FILES = ("config.json", "tokenizer_config.json")  # the tokenizer is saved after the weights
+STUDY_FILE = "study.yaml"  # <out_dir>/study.yaml: the study as it ran (its file with the overrides applied)
+
+
+@dataclass(frozen=True)
+class StudyConfig(SweepConfig):
+    sft_config: str | None = None  # the SFT recipe that trains `init` when it holds no finished checkpoint
+
+
+def sft_finished(path: Path) -> bool:
+    return all((Path(path) / name).is_file() for name in FINISHED_SFT_FILES) and any(
+        Path(path).glob("model*.safetensors"))
+
+
+@dataclass
+class StudyPlan:
+    study: StudyConfig
+    specs: list[Any]
+    sft: RunConfig | None  # None: `init` is finished already
+
+
+def plan_study(path: str | Path, overrides: list[str] = ()) -> StudyPlan:
+    """Validate everything before any work: the study file, every run's config, the SFT recipe
+    when `init` must be trained."""
+    raw = load_config(path, overrides, cls=StudyConfig, inherit=False)
+    need_sft = not sft_finished(Path(raw.init))
+    if need_sft and raw.sft_config is None:
+        raise ConfigError(f"init {raw.init} holds no finished checkpoint and the study names no sft_config to "
+                          f"train it with")
+    study, specs = load_sweep(path, overrides, cls=StudyConfig, init_ready=not need_sft)
+    sft = None
+    if need_sft:
+        try:
+            sft = load_config(study.sft_config)
+        except ConfigError as err:
+            raise ConfigError(f"sft_config: {err}") from None
+        from toolcollapse.runtime import check_new_run_dir
+
+        check_new_run_dir(Path(study.init), overwrite=True, kind="sft")  # a directory holding anything else
+    return StudyPlan(study, specs, sft)
+
+
+def run_study(plan: StudyPlan) -> Path:
+    """Run the study's stages; the report's path."""
+    from tqdm import tqdm
+
+    from toolcollapse.report import write_report
+
+    study, specs = plan.study, plan.specs
+    Path(study.out_dir).mkdir(parents=True, exist_ok=True)
+    dump_config(study, Path(study.out_dir) / STUDY_FILE)
+    total = len(specs) + (1 if study.eval_n else 0)
+    bar = tqdm(total=total, desc="study", unit="run", dynamic_ncols=True)
+    t0 = time.time()
+    if plan.sft is not None:
+        bar.set_postfix_str(f"stage: SFT -> {study.init}")
+        from toolcollapse.sft import run_sft
+
+        run_sft(plan.sft, study.init, overwrite=True)
+        check_start(study)
+        bar.reset(total)  # the ETA of the runs should not count the SFT's time
+    bar.set_postfix_str("stage: runs and evaluations")
+
+    def done(what: str) -> None:
+        bar.update(1)
+        bar.write(f"study: {what} done ({time.time() - t0:.0f}s)")
+
+    run_sweep(study, specs, on_done=done, quiet=True)
+    bar.set_postfix_str("stage: report")
+    report = write_report(study, specs)
+    bar.close()
+    print(f"study: done in {time.time() - t0:.0f}s; report {report} and {report.with_suffix('.html')}")
+    return report
+
+
+def study_file(path: str | Path) -> Path:
+    """A study or sweep file, or a study's output directory (its study.yaml)."""
+    path = Path(path)
+    if path.is_dir():
+        if not (path / STUDY_FILE).is_file():
+            raise ConfigError(f"{path} holds no {STUDY_FILE}: give the study or sweep file it ran from")
+        return path / STUDY_FILE
+    return path
+
+
+def report(path: str | Path) -> Path:
+    """`toolcollapse report`: the report of the runs a study or sweep file (or a study directory) names."""
+    from toolcollapse.report import write_report
+
+    study, specs = load_sweep(study_file(path), cls=StudyConfig, init_ready=False)
+    return write_report(study, specs)

@@ -1,0 +1,80 @@
+"""`toolcollapse study`: SFT, runs, evaluations and the report in one command; run again, it does
+nothing twice; an unfinished SFT starts over, a finished one is reused."""
+
+import hashlib
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+SMALL = {"world.n_train": 64, "world.n_test": 8, "world.n_ood": 8}
+
+
+def _files(root):
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and "report" not in p.parts}
+
+
+def _study(tmp_path):
+    sft = {"base": "configs/tiny.yaml", "world": {"n_train": 64, "n_test": 8, "n_ood": 8},
+           "tokenizer": {"vocab_size": 400, "corpus_tasks": 64},
+           "sft": {"copy_warmup": [], "steps": 2, "batch_size": 2, "warmup_steps": 1}}
+    (tmp_path / "sft.yaml").write_text(yaml.safe_dump(sft))
+    study = {"base": "configs/tiny_rl.yaml", "sft_config": str(tmp_path / "sft.yaml"), "init": str(tmp_path / "sft"),
+             "out_dir": str(tmp_path / "study"), "seeds": [0], "workers": 1,
+             "overrides": {**SMALL, "grpo.steps": 2, "grpo.prompts_per_step": 2, "grpo.group_size": 2,
+                           "grpo.checkpoint_every": 1, "monitor.probe_every": 1, "monitor.probe_size": 2,
+                           "monitor.grad_share_every": 0, "rollout.max_turns": 2, "rollout.max_new_tokens": 16},
+             "eval_split": "test", "eval_extra_splits": ["ood_facts"], "eval_n": 4,
+             "settings": {"plain_lr1e-3": {"grpo.lr": 1e-3}, "sft_term_lr1e-3": {"grpo.lr": 1e-3,
+                                                                                "supervision.sft_coef": 0.5}}}
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(study))
+    return path
+
+
+def study(*args):
+    return subprocess.run([sys.executable, "-m", "toolcollapse", "study", *args], capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.slow
+def test_a_study_runs_every_stage_and_a_second_call_redoes_nothing(tmp_path):
+    path = _study(tmp_path)
+    first = study(str(path))
+    assert first.returncode == 0, first.stderr[-3000:]
+    out = tmp_path / "study"
+    for run in ("plain_lr1e-3/seed0", "sft_term_lr1e-3/seed0"):
+        assert (out / run / "checkpoints" / "step_000002" / "eval" / "ood_facts.summary.json").is_file()
+    assert (out / "start" / "eval" / "test.summary.json").is_file()
+    text = (out / "report" / "report.md").read_text()
+    assert "## Findings" in text and "| sft_term | synchronous | 1/1 |" in text
+    assert (out / "report" / "report.html").is_file() and (out / "study.yaml").is_file()
+
+    before = _files(tmp_path)
+    again = study(str(path))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert _files(tmp_path) == before  # no SFT, run or evaluation again (the report is rewritten)
+
+    # an SFT killed before it saved its tokenizer (after the weights) is not finished: it starts over
+    from toolcollapse.study import plan_study
+
+    assert plan_study(path).sft is None
+    (tmp_path / "sft" / "tokenizer_config.json").unlink()
+    assert plan_study(path).sft is not None
+
+
+def test_a_bad_study_file_exits_2_before_any_work(tmp_path):
+    path = _study(tmp_path)
+    raw = yaml.safe_load(path.read_text())
+    raw["settings"]["plain_lr1e-3"]["grpo.learning_rate"] = 1.0
+    path.write_text(yaml.safe_dump(raw))
+    proc = study(str(path))
+    assert proc.returncode == 2 and "grpo.learning_rate" in proc.stderr
+    assert not (tmp_path / "sft").exists() and not (tmp_path / "study").exists()
+    raw["settings"]["plain_lr1e-3"].pop("grpo.learning_rate")
+    raw["sft_config"] = str(tmp_path / "missing.yaml")
+    path.write_text(yaml.safe_dump(raw))
+    proc = study(str(path))
+    assert proc.returncode == 2 and "missing.yaml" in proc.stderr and not (tmp_path / "sft").exists()
