@@ -20,6 +20,11 @@ def _add_config_args(p: argparse.ArgumentParser, required: bool) -> None:
                    help="override a config field, e.g. --set sft.lr=3e-4 (repeatable)")
 
 
+def _add_backend_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=("local", "ray"), help="where the runs go: a local process pool "
+                   "(default) or a Ray cluster (ray_address in the file; none: a local Ray); same as --set backend=...")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="toolcollapse", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -44,12 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--summary-only", action="store_true", help="print the table of the runs already there")
     p.add_argument("--only", metavar="SETTING[,SETTING]", help="run (and tabulate) these settings only; "
                    "the others' runs stay as they are")
+    _add_backend_arg(p)
 
     p = sub.add_parser("study", help="the whole study: SFT (or reuse it), the sweep, the evaluations, the report; "
                        "run it again to finish an interrupted one")
     p.add_argument("study_file", help="study YAML (configs/study/quick.yaml, full.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a study field, e.g. --set workers=1")
+    _add_backend_arg(p)
 
     p = sub.add_parser("report", help="the report (tables, figures, findings checklist) of a study's runs")
     p.add_argument("path", help="a study or sweep YAML, or a study's output directory")
@@ -172,6 +179,10 @@ def _diagnose(args: argparse.Namespace) -> int:
     return 0
 
 
+def _with_backend(args: argparse.Namespace) -> list[str]:
+    return list(args.overrides) + ([f"backend={args.backend}"] if args.backend else [])
+
+
 def _prepare(args: argparse.Namespace) -> Callable[[], None]:
     """Validate everything the command needs -- config, paths, packages, its output directory --
     and return the work itself; a ConfigError here means nothing was done."""
@@ -179,7 +190,7 @@ def _prepare(args: argparse.Namespace) -> Callable[[], None]:
         from toolcollapse.sweep import (eval_splits, format_method_table, format_table, load_sweep, run_sweep,
                                          start_success, summarize_runs)
 
-        sweep, specs = load_sweep(args.sweep_file, args.overrides)
+        sweep, specs = load_sweep(args.sweep_file, _with_backend(args))
         if args.only:
             chosen = args.only.split(",")
             unknown = sorted(set(chosen) - {s.setting for s in specs})
@@ -198,7 +209,7 @@ def _prepare(args: argparse.Namespace) -> Callable[[], None]:
     if args.command == "study":
         from toolcollapse.study import plan_study, run_study
 
-        plan = plan_study(args.study_file, args.overrides)
+        plan = plan_study(args.study_file, _with_backend(args))
         return lambda: run_study(plan)
     if args.command == "report":
         from toolcollapse.study import report

@@ -16,13 +16,15 @@ Each evaluation records its limits, and the table pairs only evaluations whose l
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import multiprocessing as mp
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from toolcollapse.config import (Checked, ConfigError, Count, NonNegInt, RunConfig, Split, checkpoint_problems,
                                  first_difference, load_config, rl_problems)
@@ -44,9 +46,17 @@ class SweepConfig(Checked):
     eval_extra_splits: tuple[Split, ...] = ()  # also evaluated, same tasks count and limits (ood_content, ood_format)
     eval_n: NonNegInt = 0  # tasks evaluated after training (0: no evaluation)
     eval_settings: tuple[str, ...] | None = None  # settings whose final checkpoints are evaluated (None: all)
+    # local: `workers` processes here. ray: one Ray task per run, threads_per_worker CPUs each, on the Ray
+    # cluster at ray_address (None: a local Ray started for the sweep; "auto": the cluster this machine is in);
+    # every node must see out_dir and init at the same paths (a shared filesystem) and have toolcollapse
+    backend: Literal["local", "ray"] = "local"
+    ray_address: str | None = None
 
     def extra_problems(self) -> list[str]:
-        return [] if self.seeds else ["seeds: give at least one seed"]
+        problems = [] if self.seeds else ["seeds: give at least one seed"]
+        if self.backend == "ray" and importlib.util.find_spec("ray") is None:
+            problems.append("backend: ray needs Ray installed: pip install 'toolcollapse[ray]'")
+        return problems
 
 
 @dataclass(frozen=True)
@@ -154,11 +164,14 @@ def run_sweep(sweep: SweepConfig, specs: list[RunSpec], on_done: Callable[[str],
               quiet: bool = False) -> list[Path]:
     """Every run (and the starting checkpoint's evaluation) in `sweep.workers` processes; `on_done(what)`
     as each finishes (default: a line on stdout). `quiet`: no progress bars from the workers."""
-    jobs = [(spec, sweep, quiet) for spec in specs]
+    jobs = [(spec, sweep, quiet, os.getcwd()) for spec in specs]
     if sweep.eval_n:
-        jobs.append((None, sweep, quiet))
+        jobs.append((None, sweep, quiet, os.getcwd()))
     t0 = time.time()
     report = on_done or (lambda done: print(f"sweep: {done} done ({time.time() - t0:.0f}s)", flush=True))
+    if sweep.backend == "ray":
+        _run_on_ray(jobs, sweep, report)
+        return [s.run_dir for s in specs]
     ctx = mp.get_context("spawn")  # fresh interpreters: torch threads and RNG state do not leak across runs
     with ctx.Pool(sweep.workers, maxtasksperchild=1) as pool:
         for done in pool.imap_unordered(_run_one, jobs):
@@ -166,13 +179,28 @@ def run_sweep(sweep: SweepConfig, specs: list[RunSpec], on_done: Callable[[str],
     return [s.run_dir for s in specs]
 
 
-def _run_one(job: tuple[RunSpec | None, SweepConfig, bool]) -> str:
+def _run_on_ray(jobs: list[tuple], sweep: SweepConfig, report: Callable[[str], None]) -> None:
+    """One Ray task per job, each in a fresh worker process (max_calls=1, as the local pool's
+    maxtasksperchild), `threads_per_worker` CPUs each: the cluster decides how many run at once."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=sweep.ray_address, include_dashboard=False, log_to_driver=False)
+    task = ray.remote(num_cpus=sweep.threads_per_worker, max_calls=1)(_run_one)
+    pending = [task.remote(job) for job in jobs]
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        report(ray.get(done[0]))
+
+
+def _run_one(job: tuple[RunSpec | None, SweepConfig, bool, str]) -> str:
     from transformers.utils import logging as hf_logging
 
     from toolcollapse.runtime import hide_progress
 
     hf_logging.disable_progress_bar()
-    spec, sweep, quiet = job
+    spec, sweep, quiet, cwd = job
+    os.chdir(cwd)  # a sweep's paths are relative to where it was started (a Ray worker starts elsewhere)
     if quiet:
         hide_progress()
     if spec is None:  # the starting checkpoint, evaluated once for comparison
