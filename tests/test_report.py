@@ -14,7 +14,7 @@ SPLITS = ("test", "ood_format", "ood_facts")
 N_TASKS = 100
 
 
-def _metrics(collapse_at, steps=12, spike=True, content_drop=0.0, pollution=0.0):
+def _metrics(collapse_at, steps=12, spike=True, content_drop=0.0, pollution=0.0, sft_tokens=0.0):
     """A run's rows: healthy 0.95 until `collapse_at` (None: never), then 0.1; the probe every 2 steps
     with <tool_call>'s miss rate rising x100 two steps before the collapse when `spike`."""
     rows = []
@@ -26,7 +26,7 @@ def _metrics(collapse_at, steps=12, spike=True, content_drop=0.0, pollution=0.0)
                "response_tokens": 50.0,
                "state/healthy_call": h * 0.7, "state/healthy_response": h * 0.3,
                "state/text_pollution": (1 - h) * 0.5 if down else pollution,
-               "state/full_collapse": (1 - h) * 0.5 if down else 0.0}
+               "state/full_collapse": (1 - h) * 0.5 if down else 0.0, "sup/sft_tokens_total": sft_tokens}
         if step % 2 == 0:
             late = collapse_at is not None and step >= collapse_at - 2
             row["probe/tool_call/miss_required"] = 0.5 if (late and spike) else 0.005
@@ -37,11 +37,15 @@ def _metrics(collapse_at, steps=12, spike=True, content_drop=0.0, pollution=0.0)
 
 
 def _run(root, setting, seed, rows, success):
+    """A finished run; `rows` empty: an sft_only control (a phase, no RL)."""
     run = root / setting / f"seed{seed}"
-    final = run / "checkpoints" / f"step_{len(rows):06d}"
+    final = run / "checkpoints" / f"step_{len(rows) or 12:06d}"
     (final / "eval").mkdir(parents=True)
     (final / "COMPLETE").write_text("")
-    write_jsonl(run / "metrics.jsonl", rows)
+    if rows:
+        write_jsonl(run / "metrics.jsonl", rows)
+    else:
+        write_jsonl(run / "phases.jsonl", [{"step": 12, "phase": "sft_only", "phase/tokens": 1000.0}])
     for split, rate in success.items():
         _eval(final / "eval", split, rate)
 
@@ -53,7 +57,7 @@ def _eval(eval_dir, split, rate):
     (eval_dir / f"{split}.summary.json").write_text(json.dumps({"n_episodes": N_TASKS, "limits": {"max_turns": 8}}))
 
 
-def _study(tmp_path, plain_lo_collapses=False, ets_ood=(0.30, 0.35)):
+def _study(tmp_path, plain_lo_collapses=False, ets_ood=(0.30, 0.35), adaptive_test=0.28, sft_only_test=0.20):
     init = tmp_path / "sft"
     init.mkdir()
     (init / "config.json").write_text("{}")
@@ -62,6 +66,7 @@ def _study(tmp_path, plain_lo_collapses=False, ets_ood=(0.30, 0.35)):
                 "ops_lr1e-3": {"grpo.lr": 1e-3, "supervision.ops.enabled": True},
                 "adaptive_lr1e-3": {"grpo.lr": 1e-3, "supervision.adaptive.enabled": True,
                                     "grpo.checkpoint_every": 2, "grpo.keep_checkpoints": 3},
+                "sft_only_lr1e-3": {"grpo.lr": 1e-3, "supervision.sft_only.match": str(out / "ets_lr1e-3" / "seed{seed}")},
                 "plain_lr1e-5": {"grpo.lr": 1e-5}, "ets_lr1e-5": {"grpo.lr": 1e-5, "supervision.ets.enabled": True}}
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump({
@@ -72,10 +77,12 @@ def _study(tmp_path, plain_lo_collapses=False, ets_ood=(0.30, 0.35)):
         _eval(out / "start" / "eval", split, 0.40)
     for seed in (0, 1):
         _run(out, "plain_lr1e-3", seed, _metrics(6, content_drop=0.1), {"test": 0.02, "ood_format": 0.0, "ood_facts": 0.0})
-        _run(out, "ets_lr1e-3", seed, _metrics(None), {"test": 0.30, "ood_format": 0.1, "ood_facts": 0.2})
+        _run(out, "ets_lr1e-3", seed, _metrics(None, sft_tokens=1000.0), {"test": 0.30, "ood_format": 0.1,
+                                                                          "ood_facts": 0.2})
+        _run(out, "sft_only_lr1e-3", seed, [], {"test": sft_only_test, "ood_format": 0.1, "ood_facts": 0.2})
         _run(out, "ops_lr1e-3", seed, _metrics(None), {"test": 0.20, "ood_format": 0.1, "ood_facts": 0.2})
-        _run(out, "adaptive_lr1e-3", seed, _metrics(None, pollution=0.06), {"test": 0.25, "ood_format": 0.1,
-                                                                             "ood_facts": 0.2})
+        _run(out, "adaptive_lr1e-3", seed, _metrics(None, pollution=0.06, sft_tokens=500.0),
+             {"test": adaptive_test, "ood_format": 0.1, "ood_facts": 0.2})
         _run(out, "plain_lr1e-5", seed, _metrics(5 if plain_lo_collapses else None),
              {"test": 0.40, "ood_format": 0.30, "ood_facts": 0.30})
         _run(out, "ets_lr1e-5", seed, _metrics(None), {"test": 0.40, "ood_format": ets_ood[0], "ood_facts": ets_ood[1]})
@@ -85,30 +92,37 @@ def _study(tmp_path, plain_lo_collapses=False, ets_ood=(0.30, 0.35)):
 def _verdicts(sweep, specs):
     from toolcollapse.report import findings, load_study
 
-    return {f.claim.split(" ")[0] if f.source == "paper" else f.claim[:20]: f for f in findings(load_study(sweep, specs))}
+    return {f.key.split("_")[0] if f.source == "paper" else f.key: f for f in findings(load_study(sweep, specs))}
 
 
 def test_findings_follow_the_runs(tmp_path):
     v = _verdicts(*_study(tmp_path))
-    assert v["1."].verdict == "yes" and "2/2 seeds collapsed" in v["1."].evidence and "-0.10" in v["1."].evidence
-    assert v["2."].verdict == "yes" and "2/2 collapsed runs" in v["2."].evidence
-    assert v["3."].verdict == "yes"
-    assert v["4."].verdict == "yes" and "ets never collapsed and solves 30.0 ± 0.0 %" in v["4."].evidence
-    assert v["5."].verdict == "yes" and "best interleaved ets 30.0 ± 0.0 % vs best synchronous ops 20.0" in v["5."].evidence
-    assert v["6."].verdict == "yes" and "2/2 seeds at lr 0.001 and 0/2 at lr 1e-05" in v["6."].evidence
-    assert v["7."].verdict == "no"  # at 1e-5 ETS is as good as plain on ood_format (30 %) and ood_facts (35 vs 30)
-    assert "ets ood_facts +5.0" in v["7."].evidence
-    assert v["Ours: the control-to"].verdict == "yes" and "in 2/2 collapsed runs (leads [2, 2]" in v[
-        "Ours: the control-to"].evidence
-    assert v["Ours: the adaptive s"].verdict == "yes"
+    assert v["f1"].verdict == "yes" and "2/2 seeds collapsed" in v["f1"].evidence and "-0.10" in v["f1"].evidence
+    assert v["f2"].verdict == "yes" and "2/2 collapsed runs" in v["f2"].evidence
+    assert v["f3"].verdict == "yes"
+    assert v["f4"].verdict == "yes" and "ets never collapsed and solves 30.0 ± 0.0 %" in v["f4"].evidence
+    assert v["f5"].verdict == "yes"
+    assert "best interleaved ets 30.0 ± 0.0 % vs best synchronous ops 20.0" in v["f5"].evidence
+    assert v["f6"].verdict == "yes" and "2/2 seeds at lr 0.001 and 0/2 at lr 1e-05" in v["f6"].evidence
+    assert v["f7"].verdict == "no"  # at 1e-5 ETS is as good as plain on ood_format (30 %) and ood_facts (35 vs 30)
+    assert "ets ood_facts +5.0" in v["f7"].evidence
+    assert v["own_alarm_leads"].verdict == "yes"
+    assert "in 2/2 collapsed runs (leads [2, 2]" in v["own_alarm_leads"].evidence
+    assert v["own_adaptive_recovers"].verdict == "yes"
+    assert v["own_adaptive_vs_fixed"].verdict == "yes"
+    assert "with 500 SFT tokens vs the best fixed, ets" in v["own_adaptive_vs_fixed"].evidence
+    assert v["own_signal_vs_sft_only"].verdict == "yes"
+    assert "ets_lr1e-3 30.0 ± 0.0 % vs sft_only 20.0" in v["own_signal_vs_sft_only"].evidence
 
 
 def test_turning_the_data_around_turns_the_verdicts(tmp_path):
-    v = _verdicts(*_study(tmp_path, plain_lo_collapses=True, ets_ood=(0.10, 0.10)))
-    assert v["6."].verdict == "no" and "0.001 and 2/2 at lr 1e-05" in v["6."].evidence
-    assert v["7."].verdict == "yes"  # stabilises at 1e-3, and lower than plain on both OOD splits at 1e-5
+    v = _verdicts(*_study(tmp_path, plain_lo_collapses=True, ets_ood=(0.10, 0.10), adaptive_test=0.15,
+                          sft_only_test=0.45))
+    assert v["f6"].verdict == "no" and "0.001 and 2/2 at lr 1e-05" in v["f6"].evidence
+    assert v["f7"].verdict == "yes"  # stabilises at 1e-3, and lower than plain on both OOD splits at 1e-5
     # plain at 1e-5 collapsed now, and no alarm can fire there before step 5 the way the data is made
-    assert "false alarms in 0/" in v["Ours: the control-to"].evidence
+    assert "false alarms in 0/" in v["own_alarm_leads"].evidence
+    assert v["own_adaptive_vs_fixed"].verdict == "no" and v["own_signal_vs_sft_only"].verdict == "no"
 
 
 def test_report_files(tmp_path):

@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("report", help="the report (tables, figures, findings checklist) of a study's runs")
     p.add_argument("path", help="a study or sweep YAML, or a study's output directory")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a study field, e.g. --set 'seeds=[1]' (a report of one seed's runs)")
+    p.add_argument("--out", help="where report.md, report.html and figures/ go (default: <out_dir>/report)")
 
     p = sub.add_parser("diagnose", help="alarms, collapse step and figures of a run; the lead-time table of a "
                        "sweep; four-state rates of another trainer's dumped rollouts")
@@ -214,7 +217,7 @@ def _prepare(args: argparse.Namespace) -> Callable[[], None]:
     if args.command == "report":
         from toolcollapse.study import report
 
-        return lambda: print(f"wrote {report(args.path)} and report.html")
+        return lambda: print(f"wrote {report(args.path, args.overrides, args.out)} and report.html")
     if args.command == "rl":
         cfg, run_dir = _rl_config(args)
     elif args.command == "eval":

@@ -60,6 +60,7 @@ class Group:
     lr: float
     runs: list[dict[str, Any]] = field(default_factory=list)  # sweep.summarize_runs rows
     metrics: list[list[dict[str, Any]]] = field(default_factory=list)  # each run's metrics.jsonl rows
+    matched: str | None = None  # an sft_only control: the setting whose SFT tokens it matched
 
     def success(self, split: str, first_split: str) -> list[float]:
         key = "eval_success" if split == first_split else f"{split}/eval_success"
@@ -102,8 +103,9 @@ def load_study(sweep: Any, specs: Sequence[Any]) -> Study:
     rows = summarize_runs(sweep, specs)
     groups: dict[str, Group] = {}
     for spec, row in zip(specs, rows):
+        match = spec.cfg.supervision.sft_only.match
         g = groups.setdefault(spec.setting, Group(spec.setting, method_name(spec.setting), schedule(spec.cfg),
-                                                  spec.cfg.grpo.lr))
+                                                  spec.cfg.grpo.lr, matched=Path(match).parent.name if match else None))
         g.runs.append(row)
         path = Path(spec.run_dir) / "metrics.jsonl"
         g.metrics.append(read_jsonl(path) if path.is_file() else [])
@@ -159,13 +161,20 @@ class Finding:
     source: str  # "paper" (DESIGN.md's seven findings) or "ours"
     verdict: str  # yes | no | inconclusive
     evidence: str
+    key: str = ""  # the check's name (f1_collapse_keeps_skill, ..., own_alarm_leads, ...)
 
 
 def findings(study: Study) -> list[Finding]:
     hi, lo = (study.lrs[0], study.lrs[-1]) if study.lrs else (None, None)
-    return [f(study, hi, lo) for f in (_f1_collapse_keeps_skill, _f2_control_tokens_spike, _f3_four_states,
-                                       _f4_signals_recover, _f5_sync_vs_interleaved, _f6_high_lr_worse,
-                                       _f7_interleaved_costs_ood, _own_alarm_leads, _own_adaptive_recovers)]
+    checks = (_f1_collapse_keeps_skill, _f2_control_tokens_spike, _f3_four_states, _f4_signals_recover,
+              _f5_sync_vs_interleaved, _f6_high_lr_worse, _f7_interleaved_costs_ood, _own_alarm_leads,
+              _own_adaptive_recovers, _own_adaptive_vs_fixed, _own_signal_vs_sft_only)
+    out = []
+    for check in checks:
+        finding = check(study, hi, lo)
+        finding.key = check.__name__.lstrip("_")
+        out.append(finding)
+    return out
 
 
 def _plain(study: Study, lr: float | None) -> Group | None:
@@ -372,6 +381,40 @@ def _own_adaptive_recovers(study: Study, hi: float | None, lo: float | None) -> 
     word = compare(a, p, study.eval_n)[2] if a and p else "same"
     head += f"; {first} {pct(a)} % vs plain {pct(p)} %"
     return Finding(claim, "ours", "yes" if kept and word != "lower" else "no", head)
+
+
+def _own_adaptive_vs_fixed(study: Study, hi: float | None, lo: float | None) -> Finding:
+    claim = ("Ours: the adaptive schedule matches or beats the best fixed schedule on test success with fewer "
+             "SFT tokens")
+    first = study.splits[0]
+    adaptive = next((g for g in study.at(hi, "adaptive") if g.success(first, first)), None)
+    fixed = [g for g in study.at(hi, "synchronous", "interleaved") if g.success(first, first)]
+    if adaptive is None or not fixed:
+        return Finding(claim, "ours", "inconclusive", f"needs the adaptive schedule and a fixed one at lr {hi}")
+    best = max(fixed, key=lambda g: mean(g.success(first, first)))
+    diff, noise, word = compare(adaptive.success(first, first), best.success(first, first), study.eval_n)
+    tokens = [mean([r["sft_tokens"] for r in g.runs if "sft_tokens" in r]) for g in (adaptive, best)]
+    verdict = "yes" if word != "lower" and tokens[0] < tokens[1] else "no"
+    return Finding(claim, "ours", verdict, f"lr {hi:g}, {first}: adaptive {pct(adaptive.success(first, first))} % "
+                   f"with {tokens[0]:.0f} SFT tokens vs the best fixed, {best.method}, "
+                   f"{pct(best.success(first, first))} % with {tokens[1]:.0f} ({100 * diff:+.1f} ± {100 * noise:.1f})")
+
+
+def _own_signal_vs_sft_only(study: Study, hi: float | None, lo: float | None) -> Finding:
+    claim = "Ours: a signal's gain is more than its SFT tokens' (it beats sft_only matched to its tokens)"
+    first = study.splits[0]
+    cells, words = [], []
+    for control in (g for g in study.groups if g.schedule == "sft_only" and g.success(first, first)):
+        signal = next((g for g in study.groups if g.setting == control.matched), None)
+        if signal is None or not signal.success(first, first):
+            continue
+        diff, noise, word = compare(signal.success(first, first), control.success(first, first), study.eval_n)
+        words.append(word)
+        cells.append(f"{signal.setting} {pct(signal.success(first, first))} % vs sft_only "
+                     f"{pct(control.success(first, first))} % ({100 * diff:+.1f} ± {100 * noise:.1f})")
+    if not words:
+        return Finding(claim, "ours", "inconclusive", "no sft_only control with its matched run evaluated")
+    return Finding(claim, "ours", "yes" if "higher" in words else "no", f"{first}: " + "; ".join(cells))
 
 
 # ----------------------------------------------------------------------------- tables

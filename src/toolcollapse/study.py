@@ -107,9 +107,9 @@ def study_file(path: str | Path) -> Path:
     return path
 
 
-def report(path: str | Path) -> Path:
+def report(path: str | Path, overrides: list[str] = (), out_dir: str | Path | None = None) -> Path:
     """`toolcollapse report`: the report of the runs a study or sweep file (or a study directory) names."""
     from toolcollapse.report import write_report
 
-    study, specs = load_sweep(study_file(path), cls=StudyConfig, init_ready=False)
-    return write_report(study, specs)
+    study, specs = load_sweep(study_file(path), overrides, cls=StudyConfig, init_ready=False)
+    return write_report(study, specs, Path(out_dir) if out_dir else None)
