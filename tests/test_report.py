@@ -3,11 +3,12 @@ files, and turning one fact of the data around turns its verdict."""
 
 import json
 import re
+import shutil
 
 import pytest
 import yaml
 
-from toolcollapse.runtime import write_jsonl
+from toolcollapse.runtime import read_jsonl, write_jsonl
 from toolcollapse.sweep import load_sweep
 
 SPLITS = ("test", "ood_format", "ood_facts")
@@ -57,7 +58,14 @@ def _eval(eval_dir, split, rate):
     (eval_dir / f"{split}.summary.json").write_text(json.dumps({"n_episodes": N_TASKS, "limits": {"max_turns": 8}}))
 
 
-def _study(tmp_path, plain_lo_collapses=False, ets_ood=(0.30, 0.35), adaptive_test=0.28, sft_only_test=0.20):
+DEFAULT = {"plain_hi": (6, 6), "plain_lo": (None, None), "spike": True, "content_drop": 0.1, "ets_test": 0.30,
+           "ops_test": 0.15, "adaptive_test": 0.28, "adaptive_healthy_dip": False, "sft_only_test": 0.15,
+           "ets_ood": (0.30, 0.35)}
+
+
+def _study(tmp_path, **changes):
+    """Hand-made runs of a two-rate study (2 seeds); `changes` turn facts of DEFAULT around."""
+    d = {**DEFAULT, **changes}
     init = tmp_path / "sft"
     init.mkdir()
     (init / "config.json").write_text("{}")
@@ -75,17 +83,19 @@ def _study(tmp_path, plain_lo_collapses=False, ets_ood=(0.30, 0.35), adaptive_te
         "eval_extra_splits": list(SPLITS[1:]), "eval_n": N_TASKS, "settings": settings}))
     for split in SPLITS:
         _eval(out / "start" / "eval", split, 0.40)
+    ood = {"ood_format": 0.1, "ood_facts": 0.2}
     for seed in (0, 1):
-        _run(out, "plain_lr1e-3", seed, _metrics(6, content_drop=0.1), {"test": 0.02, "ood_format": 0.0, "ood_facts": 0.0})
-        _run(out, "ets_lr1e-3", seed, _metrics(None, sft_tokens=1000.0), {"test": 0.30, "ood_format": 0.1,
-                                                                          "ood_facts": 0.2})
-        _run(out, "sft_only_lr1e-3", seed, [], {"test": sft_only_test, "ood_format": 0.1, "ood_facts": 0.2})
-        _run(out, "ops_lr1e-3", seed, _metrics(None), {"test": 0.20, "ood_format": 0.1, "ood_facts": 0.2})
-        _run(out, "adaptive_lr1e-3", seed, _metrics(None, pollution=0.06, sft_tokens=500.0),
-             {"test": adaptive_test, "ood_format": 0.1, "ood_facts": 0.2})
-        _run(out, "plain_lr1e-5", seed, _metrics(5 if plain_lo_collapses else None),
+        _run(out, "plain_lr1e-3", seed, _metrics(d["plain_hi"][seed], spike=d["spike"], content_drop=d["content_drop"]),
+             {"test": 0.02, "ood_format": 0.0, "ood_facts": 0.0})
+        _run(out, "ets_lr1e-3", seed, _metrics(None, sft_tokens=1000.0), {"test": d["ets_test"], **ood})
+        _run(out, "sft_only_lr1e-3", seed, [], {"test": d["sft_only_test"], **ood})
+        _run(out, "ops_lr1e-3", seed, _metrics(None), {"test": d["ops_test"], **ood})
+        _run(out, "adaptive_lr1e-3", seed, _metrics(4 if d["adaptive_healthy_dip"] else None, pollution=0.06,
+                                                    sft_tokens=500.0), {"test": d["adaptive_test"], **ood})
+        _run(out, "plain_lr1e-5", seed, _metrics(d["plain_lo"][seed], spike=d["spike"]),
              {"test": 0.40, "ood_format": 0.30, "ood_facts": 0.30})
-        _run(out, "ets_lr1e-5", seed, _metrics(None), {"test": 0.40, "ood_format": ets_ood[0], "ood_facts": ets_ood[1]})
+        _run(out, "ets_lr1e-5", seed, _metrics(None), {"test": 0.40, "ood_format": d["ets_ood"][0],
+                                                      "ood_facts": d["ets_ood"][1]})
     return load_sweep(path)
 
 
@@ -102,7 +112,7 @@ def test_findings_follow_the_runs(tmp_path):
     assert v["f3"].verdict == "yes"
     assert v["f4"].verdict == "yes" and "ets never collapsed and solves 30.0 ± 0.0 %" in v["f4"].evidence
     assert v["f5"].verdict == "yes"
-    assert "best interleaved ets 30.0 ± 0.0 % vs best synchronous ops 20.0" in v["f5"].evidence
+    assert "best interleaved ets 30.0 ± 0.0 % vs best synchronous ops 15.0" in v["f5"].evidence
     assert v["f6"].verdict == "yes" and "2/2 seeds at lr 0.001 and 0/2 at lr 1e-05" in v["f6"].evidence
     assert v["f7"].verdict == "no"  # at 1e-5 ETS is as good as plain on ood_format (30 %) and ood_facts (35 vs 30)
     assert "ets ood_facts +5.0" in v["f7"].evidence
@@ -112,17 +122,41 @@ def test_findings_follow_the_runs(tmp_path):
     assert v["own_adaptive_vs_fixed"].verdict == "yes"
     assert "with 500 SFT tokens vs the best fixed, ets" in v["own_adaptive_vs_fixed"].evidence
     assert v["own_signal_vs_sft_only"].verdict == "yes"
-    assert "ets_lr1e-3 30.0 ± 0.0 % vs sft_only 20.0" in v["own_signal_vs_sft_only"].evidence
+    assert "ets_lr1e-3 30.0 ± 0.0 % vs sft_only 15.0" in v["own_signal_vs_sft_only"].evidence
 
 
-def test_turning_the_data_around_turns_the_verdicts(tmp_path):
-    v = _verdicts(*_study(tmp_path, plain_lo_collapses=True, ets_ood=(0.10, 0.10), adaptive_test=0.15,
-                          sft_only_test=0.45))
-    assert v["f6"].verdict == "no" and "0.001 and 2/2 at lr 1e-05" in v["f6"].evidence
-    assert v["f7"].verdict == "yes"  # stabilises at 1e-3, and lower than plain on both OOD splits at 1e-5
-    # plain at 1e-5 collapsed now, and no alarm can fire there before step 5 the way the data is made
-    assert "false alarms in 0/" in v["own_alarm_leads"].evidence
-    assert v["own_adaptive_vs_fixed"].verdict == "no" and v["own_signal_vs_sft_only"].verdict == "no"
+@pytest.mark.parametrize("changes, expected", [
+    ({"plain_hi": (6, None), "plain_lo": (5, 5)}, {"f6": "no", "f7": "inconclusive"}),  # no stable plain at 1e-5
+    ({"ets_ood": (0.10, 0.10)}, {"f7": "yes"}),  # stabilises at 1e-3, and lower than plain on both OOD splits at 1e-5
+    ({"spike": False, "content_drop": 2.0}, {"f1": "no", "f2": "no", "own_alarm_leads": "no"}),
+    ({"ets_test": 0.02, "ops_test": 0.02, "adaptive_test": 0.02, "adaptive_healthy_dip": True},
+     {"f4": "no", "own_adaptive_recovers": "no"}),
+    ({"ets_test": 0.02, "ops_test": 0.30}, {"f5": "no", "own_signal_vs_sft_only": "no"}),
+    ({"adaptive_test": 0.05, "sft_only_test": 0.45}, {"own_adaptive_vs_fixed": "no", "own_signal_vs_sft_only": "no"}),
+    ({"plain_hi": (None, None)}, {"f1": "no", "f4": "inconclusive", "f7": "inconclusive",
+                                  "own_adaptive_recovers": "inconclusive"}),
+])
+def test_turning_the_data_around_turns_the_verdicts(tmp_path, changes, expected):
+    v = _verdicts(*_study(tmp_path, **changes))
+    assert {k: v[k].verdict for k in expected} == expected
+
+
+def test_unfinished_runs_and_missing_evaluations_are_inconclusive_not_counted(tmp_path):
+    from toolcollapse.report import blocks, load_study
+
+    sweep, specs = _study(tmp_path)
+    out = tmp_path / "study"
+    rows = read_jsonl(out / "plain_lr1e-3" / "seed1" / "metrics.jsonl")
+    write_jsonl(out / "plain_lr1e-3" / "seed1" / "metrics.jsonl", rows[:3])  # killed at step 3 of 12
+    for run in ("plain_lr1e-3", "ets_lr1e-3", "ops_lr1e-3", "adaptive_lr1e-3"):
+        for seed in (0, 1):  # killed before the evaluations
+            shutil.rmtree(out / run / f"seed{seed}" / "checkpoints" / "step_000012" / "eval")
+    study = load_study(sweep, specs)
+    v = _verdicts(sweep, specs)
+    assert "1/1 seeds collapsed" in v["f1"].evidence  # the unfinished seed is not a run that did not collapse
+    assert v["f4"].verdict == v["own_adaptive_recovers"].verdict == "inconclusive"
+    assert "not evaluated yet" in v["f4"].evidence
+    assert "13/14 runs done" in blocks(study, [])[1][1]
 
 
 def test_report_files(tmp_path):

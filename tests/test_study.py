@@ -16,12 +16,16 @@ def _files(root):
             for p in sorted(root.rglob("*")) if p.is_file() and "report" not in p.parts}
 
 
-def _study(tmp_path):
+def _sft_file(tmp_path, name="sft.yaml", steps=2):
     sft = {"base": "configs/tiny.yaml", "world": {"n_train": 64, "n_test": 8, "n_ood": 8},
            "tokenizer": {"vocab_size": 400, "corpus_tasks": 64},
-           "sft": {"copy_warmup": [], "steps": 2, "batch_size": 2, "warmup_steps": 1}}
-    (tmp_path / "sft.yaml").write_text(yaml.safe_dump(sft))
-    study = {"base": "configs/tiny_rl.yaml", "sft_config": str(tmp_path / "sft.yaml"), "init": str(tmp_path / "sft"),
+           "sft": {"copy_warmup": [], "steps": steps, "batch_size": 2, "warmup_steps": 1}}
+    (tmp_path / name).write_text(yaml.safe_dump(sft))
+    return tmp_path / name
+
+
+def _study(tmp_path):
+    study = {"base": "configs/tiny_rl.yaml", "sft_config": str(_sft_file(tmp_path)), "init": str(tmp_path / "sft"),
              "out_dir": str(tmp_path / "study"), "seeds": [0], "workers": 1,
              "overrides": {**SMALL, "grpo.steps": 2, "grpo.prompts_per_step": 2, "grpo.group_size": 2,
                            "grpo.checkpoint_every": 1, "monitor.probe_every": 1, "monitor.probe_size": 2,
@@ -57,12 +61,23 @@ def test_a_study_runs_every_stage_and_a_second_call_redoes_nothing(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert _files(tmp_path) == before  # no SFT, run or evaluation again (the report is rewritten)
 
-    # an SFT killed before it saved its tokenizer (after the weights) is not finished: it starts over
+    # results are never mixed across starting checkpoints or recipes
+    from toolcollapse.config import ConfigError
     from toolcollapse.study import plan_study
 
     assert plan_study(path).sft is None
-    (tmp_path / "sft" / "tokenizer_config.json").unlink()
-    assert plan_study(path).sft is not None
+    with pytest.raises(ConfigError, match="was trained with sft.steps=2; sft_config .* says 3"):
+        plan_study(path, ["sft_config=" + str(_sft_file(tmp_path, "other.yaml", steps=3))])
+    weights = tmp_path / "sft" / "model.safetensors"
+    original = weights.read_bytes()
+    weights.write_bytes(original[:-4] + bytes(4))
+    with pytest.raises(ConfigError, match="holds runs started from other weights"):
+        plan_study(path)
+    weights.write_bytes(original)
+    (tmp_path / "sft" / "SFT_COMPLETE").unlink()  # an SFT killed before its end: it would start over...
+    with pytest.raises(ConfigError, match="a new SFT would start the rest from other weights"):
+        plan_study(path)  # ... but not under runs that started from the old one
+    assert plan_study(path, [f"out_dir={tmp_path / 'fresh'}"]).sft is not None
 
 
 def test_a_bad_study_file_exits_2_before_any_work(tmp_path):

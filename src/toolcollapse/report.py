@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from toolcollapse.config import RunConfig
+from toolcollapse.config import MonitorConfig, RunConfig
 
-# The paper's BFCL multi-turn scores for Qwen2.5-1.5B-Instruct (their Table; ../shared/DESIGN.md), by the
-# schedule of ours that is closest: theirs, shown beside ours, never mixed into a verdict.
+# The paper's BFCL multi-turn scores for Qwen2.5-1.5B-Instruct (their Table; ../shared/DESIGN.md), keyed by
+# the name of our closest method: theirs, shown beside ours, never mixed into a verdict.
 PAPER_QWEN25_1P5B = {"plain": ("plain RL", 3.50), "ets": ("SFT interleaved with RL", 17.25), "prs": ("PRS", 25.75)}
 CONTENT_SPLITS = ("ood_content", "ood_entities", "ood_facts", "ood_compositions", "ood_chains")
 FORMAT_SPLITS = ("ood_format",)
@@ -60,7 +60,7 @@ class Group:
     lr: float
     runs: list[dict[str, Any]] = field(default_factory=list)  # sweep.summarize_runs rows
     metrics: list[list[dict[str, Any]]] = field(default_factory=list)  # each run's metrics.jsonl rows
-    matched: str | None = None  # an sft_only control: the setting whose SFT tokens it matched
+    matched: list[str] = field(default_factory=list)  # an sft_only control: the run dirs whose tokens it matched
 
     def success(self, split: str, first_split: str) -> list[float]:
         key = "eval_success" if split == first_split else f"{split}/eval_success"
@@ -68,7 +68,12 @@ class Group:
 
     @property
     def rl_runs(self) -> list[dict[str, Any]]:
-        return [r for r in self.runs if r.get("steps_done")]
+        """The RL runs that took all their steps (an unfinished run has not shown whether it collapses)."""
+        return [r for r in self.runs if r.get("steps_done") and r["steps_done"] >= r["steps"]]
+
+    @property
+    def finished(self) -> list[dict[str, Any]]:
+        return self.rl_runs + [r for r in self.runs if r.get("sft_only")]
 
     @property
     def collapsed(self) -> list[dict[str, Any]]:
@@ -82,12 +87,17 @@ class Study:
     eval_n: int
     start: dict[str, float]  # the starting checkpoint's success per split
     groups: list[Group]
-    monitor: Any  # the runs' MonitorConfig (the study's overrides make it one)
+    monitor: MonitorConfig  # the runs' (the study's overrides make it one)
     runs_total: int
 
     @property
     def lrs(self) -> list[float]:
         return sorted({g.lr for g in self.groups if g.schedule != "sft_only"}, reverse=True)
+
+    @property
+    def alarm_lrs(self) -> list[float]:
+        """Learning rates with a plain GRPO group, highest first: the collapsing rate and the stable one."""
+        return sorted({g.lr for g in self.groups if g.method == "plain" and g.schedule == "plain"}, reverse=True)
 
     def group(self, method: str, lr: float) -> Group | None:
         return next((g for g in self.groups if g.method == method and g.lr == lr), None)
@@ -103,14 +113,17 @@ def load_study(sweep: Any, specs: Sequence[Any]) -> Study:
     rows = summarize_runs(sweep, specs)
     groups: dict[str, Group] = {}
     for spec, row in zip(specs, rows):
-        match = spec.cfg.supervision.sft_only.match
         g = groups.setdefault(spec.setting, Group(spec.setting, method_name(spec.setting), schedule(spec.cfg),
-                                                  spec.cfg.grpo.lr, matched=Path(match).parent.name if match else None))
+                                                  spec.cfg.grpo.lr))
         g.runs.append(row)
+        match = spec.cfg.supervision.sft_only.match
+        if match:
+            g.matched.append(str(Path(match.replace("{seed}", str(spec.seed)))))
         path = Path(spec.run_dir) / "metrics.jsonl"
         g.metrics.append(read_jsonl(path) if path.is_file() else [])
     name = Path(sweep.out_dir).name
-    return Study(name, eval_splits(sweep), sweep.eval_n, start_success(sweep), list(groups.values()),
+    eval_n = sweep.eval_n or max((r.get("eval_n", 0) for r in rows), default=0)
+    return Study(name, eval_splits(sweep), eval_n, start_success(sweep), list(groups.values()),
                  specs[0].cfg.monitor, len(specs))
 
 
@@ -126,17 +139,20 @@ def sd(xs: Sequence[float]) -> float:
 
 
 def pct(xs: Sequence[float]) -> str:
-    if not xs:
-        return "-"
-    return f"{100 * mean(xs):.1f} ± {100 * sd(xs):.1f}" if len(xs) > 1 else f"{100 * mean(xs):.1f}"
+    from toolcollapse.sweep import mean_sd
+
+    return mean_sd(list(xs))
 
 
 def compare(a: Sequence[float], b: Sequence[float], n_tasks: int) -> tuple[float, float, str]:
     """(mean(a) - mean(b), its noise, "higher" | "lower" | "same"): the noise is the standard error of
-    the difference, from the spread over seeds, floored by the binomial error of a rate on n_tasks."""
+    the difference, from the spread over seeds, floored by the binomial error of a rate on n_tasks (every
+    seed is scored on the same tasks, so more seeds do not shrink that floor)."""
+    n_tasks = max(1, n_tasks)
+
     def se(xs: Sequence[float]) -> float:
-        binomial = math.sqrt(max(mean(xs) * (1 - mean(xs)), 0.25 / n_tasks) / max(1, n_tasks))
-        return max(sd(xs) / math.sqrt(len(xs)), binomial / math.sqrt(len(xs)))
+        binomial = math.sqrt(max(mean(xs) * (1 - mean(xs)), 0.25 / n_tasks) / n_tasks)
+        return max(sd(xs) / math.sqrt(len(xs)), binomial)
     diff = mean(a) - mean(b)
     noise = math.hypot(se(a), se(b))
     return diff, noise, "higher" if diff > 2 * noise else "lower" if diff < -2 * noise else "same"
@@ -165,7 +181,8 @@ class Finding:
 
 
 def findings(study: Study) -> list[Finding]:
-    hi, lo = (study.lrs[0], study.lrs[-1]) if study.lrs else (None, None)
+    lrs = study.alarm_lrs or study.lrs
+    hi, lo = (lrs[0], lrs[-1]) if lrs else (None, None)
     checks = (_f1_collapse_keeps_skill, _f2_control_tokens_spike, _f3_four_states, _f4_signals_recover,
               _f5_sync_vs_interleaved, _f6_high_lr_worse, _f7_interleaved_costs_ood, _own_alarm_leads,
               _own_adaptive_recovers, _own_adaptive_vs_fixed, _own_signal_vs_sft_only)
@@ -178,11 +195,22 @@ def findings(study: Study) -> list[Finding]:
 
 
 def _plain(study: Study, lr: float | None) -> Group | None:
-    return next(iter(study.at(lr, "plain")), None) if lr is not None else None
+    return next((g for g in study.at(lr, "plain") if g.method == "plain"), None) if lr is not None else None
 
 
 def _runs_with_metrics(g: Group) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
-    return [(r, m) for r, m in zip(g.runs, g.metrics) if m]
+    """The finished RL runs with their metric rows."""
+    return [(r, m) for r, m in zip(g.runs, g.metrics) if m and r in g.rl_runs]
+
+
+def _watched_runs(study: Study) -> list[tuple[str, list[dict[str, Any]]]]:
+    """The finished RL runs the alarm only watches: an adaptive run's alarm acts (its recovery is meant to
+    stop the collapse), so it is neither a lead nor a false alarm. Runs without a probe are left out."""
+    from toolcollapse.alarms import control_series
+
+    series = control_series(study.monitor.control_tokens)
+    return [(f"{g.setting}/{r['seed']}", m) for g in study.groups if g.schedule != "adaptive"
+            for r, m in _runs_with_metrics(g) if any(k in m[0] for k in series)]
 
 
 def _f1_collapse_keeps_skill(study: Study, hi: float | None, lo: float | None) -> Finding:
@@ -229,9 +257,10 @@ def _f2_control_tokens_spike(study: Study, hi: float | None, lo: float | None) -
                     change = logodds(at[key]) - logodds(m[0][key])
                     if change > best[0]:
                         best = (change, f"{key.removeprefix('probe/')} {m[0][key]:.4f} -> {at[key]:.4f}")
-            moves.append((g.setting, r["seed"], *best))
+            if any(key in m[0] for key in series):  # a run without a probe says nothing here
+                moves.append((g.setting, r["seed"], *best))
     if not moves:
-        return Finding(claim, "paper", "inconclusive", "no run collapsed")
+        return Finding(claim, "paper", "inconclusive", "no probed run collapsed")
     spiked = [m for m in moves if m[2] >= LOG_TEN]
     examples = "; ".join(f"{s} seed {seed}: {what}" for s, seed, _, what in moves[:3] if what)
     return Finding(claim, "paper", "yes" if 2 * len(spiked) > len(moves) else "no",
@@ -267,8 +296,10 @@ def _f4_signals_recover(study: Study, hi: float | None, lo: float | None) -> Fin
     if 2 * len(plain.collapsed) < len(plain.rl_runs) or not signals:
         return Finding(claim, "paper", "inconclusive", head + ("" if signals else "; no signal ran")
                        + " (a recovery needs a collapse to recover from)")
+    if not plain.success(first, first) or not any(g.success(first, first) for g in signals):
+        return Finding(claim, "paper", "inconclusive", head + f"; {first} not evaluated yet")
     kept = [g for g in signals if not g.collapsed]
-    better = [g for g in kept if g.success(first, first) and plain.success(first, first)
+    better = [g for g in kept if g.success(first, first)
               and compare(g.success(first, first), plain.success(first, first), study.eval_n)[2] == "higher"]
     listing = ", ".join(f"{g.method} {len(g.collapsed)}/{len(g.rl_runs)}" for g in signals)
     if better:
@@ -304,7 +335,7 @@ def _f6_high_lr_worse(study: Study, hi: float | None, lo: float | None) -> Findi
     if p_hi is None or p_lo is None or hi == lo or not (p_hi.rl_runs and p_lo.rl_runs):
         return Finding(claim, "paper", "inconclusive", "needs plain GRPO at two learning rates")
     a, b = len(p_hi.collapsed) / len(p_hi.rl_runs), len(p_lo.collapsed) / len(p_lo.rl_runs)
-    verdict = "yes" if a > b else "no"
+    verdict = "yes" if a > b else "no" if a < b else "inconclusive"  # as often at both: no difference shows
     healthy = [pct([r["healthy_min_smooth"] for r in g.rl_runs]) for g in (p_hi, p_lo)]
     return Finding(claim, "paper", verdict,
                    f"plain GRPO collapsed in {len(p_hi.collapsed)}/{len(p_hi.rl_runs)} seeds at lr {hi:g} and "
@@ -323,7 +354,13 @@ def _f7_interleaved_costs_ood(study: Study, hi: float | None, lo: float | None) 
     if not (plain_hi and plain_hi.rl_runs and inter_hi and plain_lo and inter_lo and ood):
         return Finding(claim, "paper", "inconclusive", "needs plain GRPO and an interleaved method at both "
                        "learning rates, evaluated on OOD splits")
-    stabilises = all(len(g.collapsed) < len(plain_hi.collapsed) for g in inter_hi)
+    if not plain_hi.collapsed:
+        return Finding(claim, "paper", "inconclusive", f"plain GRPO did not collapse at lr {hi:g}: nothing to stabilise")
+    if plain_lo.collapsed or hi == lo:
+        return Finding(claim, "paper", "inconclusive", f"no stable plain GRPO to measure an OOD cost against "
+                       f"(plain at lr {lo:g} collapsed in {len(plain_lo.collapsed)}/{len(plain_lo.rl_runs)})")
+    rate = lambda g: len(g.collapsed) / len(g.rl_runs)  # noqa: E731
+    stabilises = all(rate(g) < rate(plain_hi) for g in inter_hi)
     words, cells = [], []
     for g in inter_lo:
         for split in ood:
@@ -337,6 +374,8 @@ def _f7_interleaved_costs_ood(study: Study, hi: float | None, lo: float | None) 
                 f"{g.method} {len(g.collapsed)}/{len(g.rl_runs)}" for g in inter_hi) + f"); OOD success against plain "
             f"at lr {lo:g}, points: " + "; ".join(cells))
     lower = words.count("lower")
+    if not words:
+        return Finding(claim, "paper", "inconclusive", head + "(no OOD split evaluated on both sides yet)")
     if stabilises and 2 * lower > len(words):
         return Finding(claim, "paper", "yes", head)
     if not stabilises or not lower:  # no OOD split lower than plain's beyond noise: no cost shows
@@ -350,14 +389,14 @@ def _own_alarm_leads(study: Study, hi: float | None, lo: float | None) -> Findin
 
     claim = ("Ours: the control-token alarm fires before the collapse (in >= 2/3 of collapsed runs) and seldom "
              "elsewhere (<= 1/3 of stable runs)")
-    runs = [(f"{g.setting}/{r['seed']}", m) for g in study.groups for r, m in _runs_with_metrics(g)]
+    runs = _watched_runs(study)
     if not runs:
-        return Finding(claim, "ours", "inconclusive", "no RL run")
+        return Finding(claim, "ours", "inconclusive", "no finished RL run with a probe")
     row = lead_table(runs, {"control": control_rules(study.monitor)}, study.monitor.collapse_hold)[0]
     n, k, stable, false = row["n_collapsed"], row["fired_before"], row["n_stable"], len(row["false_alarms"])
     leads = sorted(row["leads"])
     evidence = (f"fired before the collapse in {k}/{n} collapsed runs (leads {leads} steps); false alarms in "
-                f"{false}/{stable} runs that did not collapse")
+                f"{false}/{stable} runs that did not collapse (adaptive runs left out: their alarm acts)")
     if not n:
         return Finding(claim, "ours", "inconclusive", evidence)
     ok = 3 * k >= 2 * n and 3 * false <= stable
@@ -378,7 +417,9 @@ def _own_adaptive_recovers(study: Study, hi: float | None, lo: float | None) -> 
     if not plain.collapsed:
         return Finding(claim, "ours", "inconclusive", head + " (plain did not collapse)")
     a, p = adaptive.success(first, first), plain.success(first, first)
-    word = compare(a, p, study.eval_n)[2] if a and p else "same"
+    if not (a and p):
+        return Finding(claim, "ours", "inconclusive", head + f"; {first} not evaluated yet")
+    word = compare(a, p, study.eval_n)[2]
     head += f"; {first} {pct(a)} % vs plain {pct(p)} %"
     return Finding(claim, "ours", "yes" if kept and word != "lower" else "no", head)
 
@@ -393,7 +434,7 @@ def _own_adaptive_vs_fixed(study: Study, hi: float | None, lo: float | None) -> 
         return Finding(claim, "ours", "inconclusive", f"needs the adaptive schedule and a fixed one at lr {hi}")
     best = max(fixed, key=lambda g: mean(g.success(first, first)))
     diff, noise, word = compare(adaptive.success(first, first), best.success(first, first), study.eval_n)
-    tokens = [mean([r["sft_tokens"] for r in g.runs if "sft_tokens" in r]) for g in (adaptive, best)]
+    tokens = [mean([r["sft_tokens"] for r in g.runs if "eval_success" in r]) for g in (adaptive, best)]
     verdict = "yes" if word != "lower" and tokens[0] < tokens[1] else "no"
     return Finding(claim, "ours", verdict, f"lr {hi:g}, {first}: adaptive {pct(adaptive.success(first, first))} % "
                    f"with {tokens[0]:.0f} SFT tokens vs the best fixed, {best.method}, "
@@ -405,7 +446,7 @@ def _own_signal_vs_sft_only(study: Study, hi: float | None, lo: float | None) ->
     first = study.splits[0]
     cells, words = [], []
     for control in (g for g in study.groups if g.schedule == "sft_only" and g.success(first, first)):
-        signal = next((g for g in study.groups if g.setting == control.matched), None)
+        signal = next((g for g in study.groups if {r["run"] for r in g.runs} & set(control.matched)), None)
         if signal is None or not signal.success(first, first):
             continue
         diff, noise, word = compare(signal.success(first, first), control.success(first, first), study.eval_n)
@@ -414,7 +455,9 @@ def _own_signal_vs_sft_only(study: Study, hi: float | None, lo: float | None) ->
                      f"{pct(control.success(first, first))} % ({100 * diff:+.1f} ± {100 * noise:.1f})")
     if not words:
         return Finding(claim, "ours", "inconclusive", "no sft_only control with its matched run evaluated")
-    return Finding(claim, "ours", "yes" if "higher" in words else "no", f"{first}: " + "; ".join(cells))
+    higher = words.count("higher")
+    verdict = "yes" if 2 * higher > len(words) else "no" if "lower" in words or not higher else "inconclusive"
+    return Finding(claim, "ours", verdict, f"{first}: " + "; ".join(cells))
 
 
 # ----------------------------------------------------------------------------- tables
@@ -431,7 +474,7 @@ def method_table(study: Study, lr: float) -> tuple[str, list[str], list[list[str
     rows = [["start checkpoint", "-", "-", "-", *[pct([study.start[s]]) if s in study.start else "-"
                                                   for s in study.splits], "0", ""]]
     for g in study.at(lr):
-        done = [r for r in g.runs if r.get("steps_done") or r.get("sft_only")]
+        done = g.finished
         paper = PAPER_QWEN25_1P5B.get(g.method)
         rows.append([g.method, g.schedule, f"{len(done)}/{len(g.runs)}",
                      f"{len(g.collapsed)}/{len(g.rl_runs)}" if g.rl_runs else "no RL",
@@ -470,7 +513,7 @@ def monitor_table(study: Study) -> tuple[str, list[str], list[list[str]]]:
              "content log-probs": content_rules(m)}
     for r in baseline_rules(m.alarm_detector, BASELINE_WARMUP):
         panel[f"baseline: {r.series}"] = [r]
-    runs = [(f"{g.setting}/{r['seed']}", rows) for g in study.groups for r, rows in _runs_with_metrics(g)]
+    runs = _watched_runs(study)
     header = ["detector", "fired before the collapse", "lead (steps), median [min-max]",
               "false alarms (runs without collapse)"]
     out = []
@@ -492,7 +535,7 @@ def figures(study: Study, out: Path) -> list[tuple[str, Path, str]]:
 
     out.mkdir(parents=True, exist_ok=True)
     made = []
-    hi = study.lrs[0] if study.lrs else None
+    hi = (study.alarm_lrs or study.lrs or [None])[0]
     plain = _plain(study, hi)
     if plain is not None:
         runs = _runs_with_metrics(plain)
@@ -521,7 +564,7 @@ def figures(study: Study, out: Path) -> list[tuple[str, Path, str]]:
 
 
 def blocks(study: Study, figs: list[tuple[str, Path, str]]) -> list[tuple]:
-    done = sum(1 for g in study.groups for r in g.runs if r.get("steps_done") or r.get("sft_only"))
+    done = sum(len(g.finished) for g in study.groups)
     out: list[tuple] = [
         ("h1", f"Study report: {study.name}"),
         ("p", (f"{done}/{study.runs_total} runs done; greedy success on {study.eval_n} tasks per split, the same "

@@ -44,6 +44,7 @@ from toolcollapse.sources import SCRATCH, apply_lora, load_pretrained, merged
 from toolcollapse.tokenizer import train_tokenizer
 
 CONFIG_FILE = "toolcollapse.yaml"
+FINISHED = "SFT_COMPLETE"  # written after everything else: `study` reuses an SFT directory only with it
 Example = tuple[list[int], list[int]]  # (token ids, trainable mask)
 TOKEN_KINDS = ("digit", "word", "structure")
 
@@ -258,6 +259,7 @@ def run_sft(cfg: RunConfig, out_dir: str | Path | None = None, overwrite: bool =
     merged(model).save_pretrained(out)
     tokenizer.save_pretrained(out)
     dump_config(cfg, out / CONFIG_FILE)
+    (out / FINISHED).write_text(f"{time.time() - t0:.0f} s\n")  # last: a kill before it leaves an unfinished SFT
     final = {k: round(v, 4) for k, v in record.items() if k.startswith("val/")}
     print(f"sft: done in {time.time() - t0:.0f}s; final train loss {record['loss']:.4f}; {final} -> {out}")
     return out

@@ -4,25 +4,29 @@ sweep of methods x learning rates x seeds, the evaluations, the report.
 A study file is a sweep file (sweep.py) with one more key, `sft_config`: the SFT recipe that
 trains `init` when `init` holds no finished checkpoint. Every stage skips what is done, so
 killing the study and running the same command again finishes it without redoing work: a
-finished SFT is reused (an unfinished one starts over: SFT has no checkpoints of its own), a
-finished run is not run again, an interrupted one resumes from its last checkpoint, an
-evaluation already there under the same limits is kept, and the report is rewritten from the
-run directories. One progress bar covers the study: its stage, runs done of all, and an ETA.
+finished SFT (its `SFT_COMPLETE` marker) is reused if `sft_config` would train the same one (an
+unfinished one starts over: SFT has no checkpoints of its own), a finished run is not run
+again, an interrupted one resumes from its last checkpoint, an evaluation already there under
+the same limits is kept, and the report is rewritten from the run directories. Results are never
+mixed across starting checkpoints: the study records a fingerprint of `init`'s weights in
+`<out_dir>/start/init.sha256` and refuses to continue from another. One progress bar covers the
+study: its stage, runs done of all, and an ETA.
 
     toolcollapse study configs/study/quick.yaml
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from toolcollapse.config import ConfigError, RunConfig, dump_config, load_config
-from toolcollapse.sweep import SweepConfig, check_start, load_sweep, run_sweep
+from toolcollapse.config import ConfigError, RunConfig, dump_config, first_difference, load_config
+from toolcollapse.sweep import SweepConfig, check_start, load_sweep, run_sweep, start_eval_dir
 
-FINISHED_SFT_FILES = ("config.json", "tokenizer_config.json")  # the tokenizer is saved after the weights
+FINGERPRINT = "init.sha256"  # <out_dir>/start/init.sha256: the weights every run of the study started from
 STUDY_FILE = "study.yaml"  # <out_dir>/study.yaml: the study as it ran (its file with the overrides applied)
 
 
@@ -32,8 +36,32 @@ class StudyConfig(SweepConfig):
 
 
 def sft_finished(path: Path) -> bool:
-    return all((Path(path) / name).is_file() for name in FINISHED_SFT_FILES) and any(
-        Path(path).glob("model*.safetensors"))
+    from toolcollapse.sft import FINISHED
+
+    return (Path(path) / FINISHED).is_file()
+
+
+def fingerprint(checkpoint: Path) -> str:
+    """sha256 over the checkpoint's weight files, in name order."""
+    digest = hashlib.sha256()
+    for weights in sorted(Path(checkpoint).glob("*.safetensors")):
+        with open(weights, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def check_same_start(study: StudyConfig, need_sft: bool) -> None:
+    """The study's runs so far started from the `init` there now (or none ran yet)."""
+    recorded = start_eval_dir(study).parent / FINGERPRINT
+    if not recorded.is_file():
+        return
+    fix = f"give the study another out_dir, or move {study.out_dir} away"
+    if need_sft:
+        raise ConfigError(f"{study.out_dir} holds runs started from an earlier {study.init}, which is gone or "
+                          f"unfinished: a new SFT would start the rest from other weights; {fix}")
+    if recorded.read_text().strip() != fingerprint(Path(study.init)):
+        raise ConfigError(f"{study.out_dir} holds runs started from other weights than {study.init}'s now; {fix}")
 
 
 @dataclass
@@ -47,21 +75,35 @@ def plan_study(path: str | Path, overrides: list[str] = ()) -> StudyPlan:
     """Validate everything before any work: the study file, every run's config, the SFT recipe
     when `init` must be trained."""
     raw = load_config(path, overrides, cls=StudyConfig, inherit=False)
-    need_sft = not sft_finished(Path(raw.init))
-    if need_sft and raw.sft_config is None:
-        raise ConfigError(f"init {raw.init} holds no finished checkpoint and the study names no sft_config to "
-                          f"train it with")
+    # without sft_config, init is any checkpoint there (load_sweep checks); with it, the SFT it trains
+    need_sft = raw.sft_config is not None and not sft_finished(Path(raw.init))
     study, specs = load_sweep(path, overrides, cls=StudyConfig, init_ready=not need_sft)
+    check_same_start(study, need_sft)
     sft = None
-    if need_sft:
+    if study.sft_config is not None:
         try:
             sft = load_config(study.sft_config)
         except ConfigError as err:
             raise ConfigError(f"sft_config: {err}") from None
+    if need_sft:
         from toolcollapse.runtime import check_new_run_dir
 
         check_new_run_dir(Path(study.init), overwrite=True, kind="sft")  # a directory holding anything else
-    return StudyPlan(study, specs, sft)
+        return StudyPlan(study, specs, sft)
+    if sft is not None:
+        check_trained_by(Path(study.init), sft, study.sft_config)
+    return StudyPlan(study, specs, None)
+
+
+def check_trained_by(checkpoint: Path, sft: RunConfig, source: str) -> None:
+    """A finished SFT checkpoint is the one `sft` (read from `source`) would train."""
+    from toolcollapse.sft import CONFIG_FILE
+
+    difference = first_difference(load_config(checkpoint / CONFIG_FILE), sft, ("threads", "device", "out_dir", "name"))
+    if difference:
+        key, was, now = difference
+        raise ConfigError(f"{checkpoint} was trained with {key}={was!r}; sft_config {source} says {now!r}. Give the "
+                          f"study another init, or delete that one to have the study train it")
 
 
 def run_study(plan: StudyPlan) -> Path:
@@ -78,11 +120,16 @@ def run_study(plan: StudyPlan) -> Path:
     t0 = time.time()
     if plan.sft is not None:
         bar.set_postfix_str(f"stage: SFT -> {study.init}")
+        bar.write(f"study: {study.init} holds no finished SFT; training it ({study.sft_config})")
         from toolcollapse.sft import run_sft
 
         run_sft(plan.sft, study.init, overwrite=True)
         check_start(study)
         bar.reset(total)  # the ETA of the runs should not count the SFT's time
+    recorded = start_eval_dir(study).parent / FINGERPRINT
+    if not recorded.is_file():
+        recorded.parent.mkdir(parents=True, exist_ok=True)
+        recorded.write_text(fingerprint(Path(study.init)) + "\n")
     bar.set_postfix_str("stage: runs and evaluations")
 
     def done(what: str) -> None:

@@ -47,8 +47,9 @@ class SweepConfig(Checked):
     eval_n: NonNegInt = 0  # tasks evaluated after training (0: no evaluation)
     eval_settings: tuple[str, ...] | None = None  # settings whose final checkpoints are evaluated (None: all)
     # local: `workers` processes here. ray: one Ray task per run, threads_per_worker CPUs each, on the Ray
-    # cluster at ray_address (None: a local Ray started for the sweep; "auto": the cluster this machine is in);
-    # every node must see out_dir and init at the same paths (a shared filesystem) and have toolcollapse
+    # cluster at ray_address (None: a local Ray started for the sweep; "auto": the cluster this machine is in;
+    # ignored when this process has connected to Ray already). Every node must have toolcollapse and see the
+    # directory the sweep is started from, and every path in the sweep, at the same path (a shared filesystem)
     backend: Literal["local", "ray"] = "local"
     ray_address: str | None = None
 
@@ -185,12 +186,17 @@ def _run_on_ray(jobs: list[tuple], sweep: SweepConfig, report: Callable[[str], N
     import ray
 
     if not ray.is_initialized():
-        ray.init(address=sweep.ray_address, include_dashboard=False, log_to_driver=False)
-    task = ray.remote(num_cpus=sweep.threads_per_worker, max_calls=1)(_run_one)
+        ray.init(address=sweep.ray_address, include_dashboard=False, log_to_driver=not jobs[0][2])
+    # no retries: a run that fails says so (re-running the sweep resumes it from its last checkpoint)
+    task = ray.remote(num_cpus=sweep.threads_per_worker, max_calls=1, max_retries=0)(_run_one)
     pending = [task.remote(job) for job in jobs]
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        report(ray.get(done[0]))
+    try:
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            report(ray.get(done[0]))
+    finally:
+        for ref in pending:  # after a failure, the runs not finished yet stop too
+            ray.cancel(ref, force=True)
 
 
 def _run_one(job: tuple[RunSpec | None, SweepConfig, bool, str]) -> str:
@@ -200,6 +206,8 @@ def _run_one(job: tuple[RunSpec | None, SweepConfig, bool, str]) -> str:
 
     hf_logging.disable_progress_bar()
     spec, sweep, quiet, cwd = job
+    if not os.path.isdir(cwd):
+        raise RuntimeError(f"{cwd}, where the sweep was started, is not on this node: its paths are relative to it")
     os.chdir(cwd)  # a sweep's paths are relative to where it was started (a Ray worker starts elsewhere)
     if quiet:
         hide_progress()
@@ -382,7 +390,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _mean_sd(values: list[float]) -> str:
+def mean_sd(values: list[float]) -> str:
     if not values:
         return "-"
     mean = sum(values) / len(values)
@@ -397,7 +405,7 @@ def format_method_table(rows: list[dict[str, Any]], splits: list[str], start: di
     head = ("| setting | seeds | healthy min | healthy final | collapsed (@ steps) | "
             + " | ".join(f"{s} %" for s in splits) + " | SFT tokens | wall (min) |")
     lines = [head, "|---" * (head.count("|") - 1) + "|",
-             "| start | - | - | - | - | " + " | ".join(_mean_sd([start[s]]) if s in start else "-" for s in splits)
+             "| start | - | - | - | - | " + " | ".join(mean_sd([start[s]]) if s in start else "-" for s in splits)
              + " | 0 | 0 |"]
     for setting in dict.fromkeys(r["setting"] for r in rows):
         runs = [r for r in rows if r["setting"] == setting]
@@ -407,9 +415,9 @@ def format_method_table(rows: list[dict[str, Any]], splits: list[str], start: di
         success = []
         for key in ["eval_success"] + [f"{s}/eval_success" for s in splits[1:]]:
             values = [r[key] for r in runs if key in r]
-            success.append(_mean_sd(values) + (f" (n={len(values)})" if values and len(values) < len(done) else ""))
+            success.append(mean_sd(values) + (f" (n={len(values)})" if values and len(values) < len(done) else ""))
         cells = [setting, str(len(done)) if len(done) == len(runs) else f"{len(done)}/{len(runs)}",
-                 _mean_sd([r["healthy_min_smooth"] for r in rl]), _mean_sd([r["healthy_end_smooth"] for r in rl]),
+                 mean_sd([r["healthy_min_smooth"] for r in rl]), mean_sd([r["healthy_end_smooth"] for r in rl]),
                  f"{len(collapsed)}/{len(rl)}" + (f" (@ {', '.join(map(str, collapsed))})" if collapsed else "")
                  if rl else ("no RL" if any(r.get("sft_only") for r in runs) else "not run"), *success,
                  f"{sum(r['sft_tokens'] for r in done) / max(1, len(done)):.0f}",
