@@ -193,7 +193,9 @@ def _prepare(args: argparse.Namespace) -> Callable[[], None]:
         from toolcollapse.sweep import (eval_splits, format_method_table, format_table, load_sweep, run_sweep,
                                          start_success, summarize_runs)
 
-        sweep, specs = load_sweep(args.sweep_file, _with_backend(args))
+        from toolcollapse.study import StudyConfig
+
+        sweep, specs = load_sweep(args.sweep_file, _with_backend(args), cls=StudyConfig)  # a study file's grid too
         if args.only:
             chosen = args.only.split(",")
             unknown = sorted(set(chosen) - {s.setting for s in specs})

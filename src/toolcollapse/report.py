@@ -30,6 +30,7 @@ CONTENT_SPLITS = ("ood_content", "ood_entities", "ood_facts", "ood_compositions"
 FORMAT_SPLITS = ("ood_format",)
 HEALTHY_TARGET = 0.85  # the 5-step mean healthy-turn rate a stable run keeps (issue 13's target)
 LOG_TEN = math.log(10.0)
+SPIKE_FLOOR = 0.01  # a control-token spike: x10 in odds, and the probability at 1 % or more (not 1e-5 -> 1e-4)
 
 
 def schedule(cfg: RunConfig) -> str:
@@ -243,7 +244,8 @@ def _f1_collapse_keeps_skill(study: Study, hi: float | None, lo: float | None) -
 def _f2_control_tokens_spike(study: Study, hi: float | None, lo: float | None) -> Finding:
     from toolcollapse.alarms import control_series
 
-    claim = "2. The collapse comes with a spike on control tokens (probe: x10 odds or more by the collapse step)"
+    claim = ("2. The collapse comes with a spike on control tokens (probe: x10 odds or more, to 1 % or more, by the "
+             "collapse step)")
     series = control_series(study.monitor.control_tokens)
     moves = []
     for g in study.groups:
@@ -253,7 +255,7 @@ def _f2_control_tokens_spike(study: Study, hi: float | None, lo: float | None) -
             best = (0.0, "")
             for key in series:
                 at = row_at(m, r["collapse_step"], key)
-                if key in m[0] and at is not None:
+                if key in m[0] and at is not None and at[key] >= SPIKE_FLOOR:
                     change = logodds(at[key]) - logodds(m[0][key])
                     if change > best[0]:
                         best = (change, f"{key.removeprefix('probe/')} {m[0][key]:.4f} -> {at[key]:.4f}")
@@ -264,8 +266,8 @@ def _f2_control_tokens_spike(study: Study, hi: float | None, lo: float | None) -
     spiked = [m for m in moves if m[2] >= LOG_TEN]
     examples = "; ".join(f"{s} seed {seed}: {what}" for s, seed, _, what in moves[:3] if what)
     return Finding(claim, "paper", "yes" if 2 * len(spiked) > len(moves) else "no",
-                   f"{len(spiked)}/{len(moves)} collapsed runs had a control-token series up x10 in odds or more "
-                   f"by their collapse step (e.g. {examples})")
+                   f"{len(spiked)}/{len(moves)} collapsed runs had a control-token series up x10 in odds or more, "
+                   f"to 1 % or more, by their collapse step (e.g. {examples})")
 
 
 def _f3_four_states(study: Study, hi: float | None, lo: float | None) -> Finding:
