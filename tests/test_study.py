@@ -74,7 +74,9 @@ def test_a_study_runs_every_stage_and_a_second_call_redoes_nothing(tmp_path):
     with pytest.raises(ConfigError, match="holds runs started from other weights"):
         plan_study(path)
     weights.write_bytes(original)
-    (tmp_path / "sft" / "SFT_COMPLETE").unlink()  # an SFT killed before its end: it would start over...
+    (tmp_path / "sft" / "SFT_COMPLETE").unlink()  # an SFT from before the marker, every file there: finished
+    assert plan_study(path).sft is None
+    (tmp_path / "sft" / "tokenizer.json").unlink()  # an SFT killed before its end: it would start over...
     with pytest.raises(ConfigError, match="a new SFT would start the rest from other weights"):
         plan_study(path)  # ... but not under runs that started from the old one
     assert plan_study(path, [f"out_dir={tmp_path / 'fresh'}"]).sft is not None

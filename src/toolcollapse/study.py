@@ -35,10 +35,16 @@ class StudyConfig(SweepConfig):
     sft_config: str | None = None  # the SFT recipe that trains `init` when it holds no finished checkpoint
 
 
+LEGACY_SFT_FILES = ("config.json", "model.safetensors", "tokenizer_config.json", "tokenizer.json")
+
+
 def sft_finished(path: Path) -> bool:
+    """`run_sft` finished there: its marker, or (an SFT from before the marker) every file it saves, the
+    tokenizer's last."""
     from toolcollapse.sft import FINISHED
 
-    return (Path(path) / FINISHED).is_file()
+    path = Path(path)
+    return (path / FINISHED).is_file() or all((path / name).is_file() for name in LEGACY_SFT_FILES)
 
 
 def fingerprint(checkpoint: Path) -> str:
