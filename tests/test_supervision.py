@@ -349,16 +349,25 @@ def test_a_run_with_ops_and_hbg_marks_its_rows_and_reports_on_policy_success(tmp
 
 
 PLAIN_GOLDEN = Path(__file__).parent / "data" / "plain_grpo_metrics.json"
+# metrics that count what happened (episodes, states, errors, tokens, clipping, skipped steps): equal on any CPU
+DISCRETE_METRICS = ("step", "state/", "error/", "finish/", "reward_mean", "reward_std_within_group", "success",
+                    "healthy_rate", "frac_groups_informative", "response_tokens", "turns_per_episode", "clip_frac",
+                    "dual_clip_frac", "skipped_", "alarms_total", "lr", "val/")
 
 
 @pytest.mark.slow
 def test_with_every_signal_off_plain_grpo_is_unchanged(tmp_path, answering_checkpoint):
-    """A 3-step run (informative groups: the weights move) with the default `supervision` (every signal off) logs the metrics plain GRPO logged
-    before supervision existed: tests/data/plain_grpo_metrics.json, written by this test at commit
-    efcf3e4 (TOOLCOLLAPSE_WRITE_GOLDEN=1). Float metrics to 1e-4 relative: a process whose earlier tests
-    changed torch's kernel choices sums in another order (seen: kl_ref off by 2e-6 relative after the
-    attention tests), while a change to what the update computes moves them by far more. Entries added
-    since (new metrics) are not compared."""
+    """A 3-step run (informative groups: the weights move) with the default `supervision` (every signal
+    off) logs the metrics plain GRPO logged before supervision existed: tests/data/plain_grpo_metrics.json,
+    written by this test at commit efcf3e4 (TOOLCOLLAPSE_WRITE_GOLDEN=1) on an AMD EPYC.
+
+    What the episodes and the update's decisions were -- every reward, state and error rate, token count,
+    clip fraction, informative-group share -- must be equal. Float metrics (probabilities, entropies, KL,
+    norms) only to 10 %: the starting checkpoint is trained inside the test session, and another CPU
+    model's arithmetic gives it other last bits (seen on an Intel Xeon: every discrete metric equal, the
+    probe's probabilities within 7 % relative, the largest on values below 1e-5; on the same machine they
+    agree to 1e-4). A change to what the update computes moves the weights, and with them the later steps'
+    samples and the gradient norm, by far more. Entries added since (new metrics) are not compared."""
     from test_rl import _metrics, _rl_config
 
     from toolcollapse.config import load_config
@@ -374,4 +383,7 @@ def test_with_every_signal_off_plain_grpo_is_unchanged(tmp_path, answering_check
     for got, want in zip(rows, golden):
         assert want.keys() <= got.keys()
         for key, value in want.items():
-            assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-9), key
+            if key.startswith(DISCRETE_METRICS) or key in DISCRETE_METRICS:
+                assert got[key] == value, key
+            else:
+                assert got[key] == pytest.approx(value, rel=0.1, abs=1e-6), key

@@ -93,12 +93,14 @@ class Study:
 
     @property
     def lrs(self) -> list[float]:
-        return sorted({g.lr for g in self.groups if g.schedule != "sft_only"}, reverse=True)
+        """Learning rates with finished RL runs, highest first."""
+        return sorted({g.lr for g in self.groups if g.schedule != "sft_only" and g.rl_runs}, reverse=True)
 
     @property
     def alarm_lrs(self) -> list[float]:
-        """Learning rates with a plain GRPO group, highest first: the collapsing rate and the stable one."""
-        return sorted({g.lr for g in self.groups if g.method == "plain" and g.schedule == "plain"}, reverse=True)
+        """Learning rates with finished plain GRPO runs, highest first: the collapsing rate and the stable one."""
+        return sorted({g.lr for g in self.groups if g.method == "plain" and g.schedule == "plain" and g.rl_runs},
+                      reverse=True)
 
     def group(self, method: str, lr: float) -> Group | None:
         return next((g for g in self.groups if g.method == method and g.lr == lr), None)
