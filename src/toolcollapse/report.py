@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from toolcollapse.config import MonitorConfig, RunConfig
+from toolcollapse.sweep import mean_sd
 
 # The paper's BFCL multi-turn scores for Qwen2.5-1.5B-Instruct (their Table; ../shared/DESIGN.md), keyed by
 # the name of our closest method: theirs, shown beside ours, never mixed into a verdict.
@@ -142,8 +143,6 @@ def sd(xs: Sequence[float]) -> float:
 
 
 def pct(xs: Sequence[float]) -> str:
-    from toolcollapse.sweep import mean_sd
-
     return mean_sd(list(xs))
 
 

@@ -171,7 +171,7 @@ def run_sweep(sweep: SweepConfig, specs: list[RunSpec], on_done: Callable[[str],
     t0 = time.time()
     report = on_done or (lambda done: print(f"sweep: {done} done ({time.time() - t0:.0f}s)", flush=True))
     if sweep.backend == "ray":
-        _run_on_ray(jobs, sweep, report)
+        _run_on_ray(jobs, sweep, report, quiet)
         return [s.run_dir for s in specs]
     ctx = mp.get_context("spawn")  # fresh interpreters: torch threads and RNG state do not leak across runs
     with ctx.Pool(sweep.workers, maxtasksperchild=1) as pool:
@@ -180,13 +180,13 @@ def run_sweep(sweep: SweepConfig, specs: list[RunSpec], on_done: Callable[[str],
     return [s.run_dir for s in specs]
 
 
-def _run_on_ray(jobs: list[tuple], sweep: SweepConfig, report: Callable[[str], None]) -> None:
+def _run_on_ray(jobs: list[tuple], sweep: SweepConfig, report: Callable[[str], None], quiet: bool) -> None:
     """One Ray task per job, each in a fresh worker process (max_calls=1, as the local pool's
     maxtasksperchild), `threads_per_worker` CPUs each: the cluster decides how many run at once."""
     import ray
 
     if not ray.is_initialized():
-        ray.init(address=sweep.ray_address, include_dashboard=False, log_to_driver=not jobs[0][2])
+        ray.init(address=sweep.ray_address, include_dashboard=False, log_to_driver=not quiet)
     # no retries: a run that fails says so (re-running the sweep resumes it from its last checkpoint)
     task = ray.remote(num_cpus=sweep.threads_per_worker, max_calls=1, max_retries=0)(_run_one)
     pending = [task.remote(job) for job in jobs]
