@@ -26,15 +26,21 @@ def _sft_file(tmp_path, name="sft.yaml", steps=2):
 
 def _study(tmp_path):
     study = {"base": "configs/tiny_rl.yaml", "sft_config": str(_sft_file(tmp_path)), "init": str(tmp_path / "sft"),
-             "out_dir": str(tmp_path / "study"), "seeds": [0], "workers": 1,
+             "out_dir": str(tmp_path / "study"), "seeds": [0], "workers": 2,
              "overrides": {**SMALL, "grpo.steps": 2, "grpo.prompts_per_step": 2, "grpo.group_size": 2,
                            "grpo.checkpoint_every": 1, "monitor.probe_every": 1, "monitor.probe_size": 2,
                            "monitor.grad_share_every": 0, "rollout.max_turns": 2, "rollout.max_new_tokens": 16},
              "eval_split": "test", "eval_extra_splits": ["ood_facts"], "eval_n": 4,
-             "settings": {"plain_lr1e-3": {"grpo.lr": 1e-3}, "sft_term_lr1e-3": {"grpo.lr": 1e-3,
-                                                                                "supervision.sft_coef": 0.5}}}
+             # the sft_only control comes first and waits for the ETS run it matches (two workers: it would
+             # otherwise start at once, and fail on an unfinished match)
+             "settings": {"sft_only_lr1e-3": {"grpo.lr": 1e-3, "supervision.sft_only.match":
+                                              str(tmp_path / "study" / "ets_lr1e-3" / "seed{seed}")},
+                          "ets_lr1e-3": {"grpo.lr": 1e-3, "supervision.ets.enabled": True,
+                                         "supervision.ets.every": 1, "supervision.ets.window": 1},
+                          "plain_lr1e-3": {"grpo.lr": 1e-3},
+                          "sft_term_lr1e-3": {"grpo.lr": 1e-3, "supervision.sft_coef": 0.5}}}
     path = tmp_path / "study.yaml"
-    path.write_text(yaml.safe_dump(study))
+    path.write_text(yaml.safe_dump(study, sort_keys=False))
     return path
 
 
@@ -49,11 +55,12 @@ def test_a_study_runs_every_stage_and_a_second_call_redoes_nothing(tmp_path):
     first = study(str(path))
     assert first.returncode == 0, first.stderr[-3000:]
     out = tmp_path / "study"
-    for run in ("plain_lr1e-3/seed0", "sft_term_lr1e-3/seed0"):
+    for run in ("plain_lr1e-3/seed0", "sft_term_lr1e-3/seed0", "ets_lr1e-3/seed0", "sft_only_lr1e-3/seed0"):
         assert (out / run / "checkpoints" / "step_000002" / "eval" / "ood_facts.summary.json").is_file()
     assert (out / "start" / "eval" / "test.summary.json").is_file()
     text = (out / "report" / "report.md").read_text()
     assert "## Findings" in text and "| sft_term | synchronous | 1/1 |" in text
+    assert "ets_lr1e-3 " in text and " vs sft_only " in text  # the control ran after its match, and is paired
     assert (out / "report" / "report.html").is_file() and (out / "study.yaml").is_file()
 
     before = _files(tmp_path)

@@ -117,3 +117,24 @@ def test_the_method_table_aggregates_seeds_and_counts_sft_tokens_and_time(tmp_pa
     assert lines[3] == "| ets | 2 | 85.0 ± 0.0 | 86.7 ± 0.0 | 0/2 | 35.0 ± 7.1 | 15.0 ± 7.1 | 300 | 2.5 |"
     assert lines[4] == "| sft_only | 1 | - | - | no RL | 50.0 | - | 300 | 0.1 |"
     assert "no RL (sft_only)" in format_table(rows)
+
+
+def test_an_sft_only_control_waits_for_the_run_it_matches_and_bad_matches_are_refused(tmp_path):
+    from toolcollapse.sweep import run_after
+
+    out = tmp_path / "study"
+    settings = {"only": {"supervision.sft_only.match": str(out / "ets" / "seed{seed}")},
+                "ets": {"supervision.ets.enabled": True}}
+    _, specs = load_sweep(_sweep_file(tmp_path, settings=settings))
+    assert run_after(specs) == {out / "only" / f"seed{k}": out / "ets" / f"seed{k}" for k in (0, 1)}
+
+    elsewhere = {"only": {"supervision.sft_only.match": str(tmp_path / "other" / "seed{seed}")}}
+    with pytest.raises(ConfigError, match=r"settings.only: .*other/seed0 is not a finished run"):
+        load_sweep(_sweep_file(tmp_path, settings=elsewhere))
+    itself = {"only": {"supervision.sft_only.match": str(out / "only" / "seed{seed}")}}
+    with pytest.raises(ConfigError, match="names the run itself"):
+        load_sweep(_sweep_file(tmp_path, settings=itself))
+    chain = {"a": {"supervision.sft_only.match": str(out / "b" / "seed{seed}")},
+             "b": {"supervision.sft_only.match": str(out / "c" / "seed{seed}")}, "c": {}}
+    with pytest.raises(ConfigError, match="matches a run that trains, not another control"):
+        load_sweep(_sweep_file(tmp_path, settings=chain))

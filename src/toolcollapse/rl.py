@@ -605,7 +605,7 @@ def run_sft_only(cfg: RunConfig, run_dir: Path, resume: bool) -> Path:
     s, g = cfg.supervision, cfg.grpo
     if resume and complete_checkpoints(run_dir):
         return run_dir
-    target = s.sft_only.tokens or _matched_tokens(s.sft_only.match.replace("{seed}", str(cfg.seed)), cfg)
+    target = s.sft_only.tokens or matched_tokens(s.sft_only.match.replace("{seed}", str(cfg.seed)), cfg)
     set_threads(cfg.threads)
     seed_everything(cfg.seed)
     model, tokenizer, _ = _policy_and_reference(dataclasses.replace(cfg, grpo=dataclasses.replace(g, kl_coef=0.0)),
@@ -634,13 +634,13 @@ def run_sft_only(cfg: RunConfig, run_dir: Path, resume: bool) -> Path:
     return run_dir
 
 
-def _matched_tokens(match: str, cfg: RunConfig) -> float:
+def matched_tokens(match: str, cfg: RunConfig) -> float:
     """The SFT tokens a finished run spent (its metrics' running total)."""
     path = Path(match) / "metrics.jsonl"
     done = complete_checkpoints(Path(match))
     if not path.is_file() or not done or not done[-1].name.endswith(f"{cfg.grpo.steps:06d}"):
         raise ConfigError(f"supervision.sft_only.match: {match} is not a finished run of {cfg.grpo.steps} steps; "
-                          "run it first (in a sweep: its own sweep file, before this one)")
+                          "run it first, or put it in the same sweep (the control waits for it there)")
     tokens = sft_tokens_so_far(read_jsonl(path))
     if tokens <= 0:
         raise ConfigError(f"supervision.sft_only.match: {match} spent no SFT tokens; nothing to match")

@@ -21,6 +21,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import queue
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,6 +101,7 @@ def load_sweep(path: str | Path, overrides: list[str] = (), cls: type = SweepCon
             specs.append(RunSpec(name, seed, run_dir, cfg))
     check_against_runs_there(specs)
     check_evaluations(sweep, specs)
+    check_matches(specs)
     if init_ready:
         check_start(sweep)
     return sweep, specs
@@ -117,6 +119,20 @@ def check_against_runs_there(specs: list[RunSpec]) -> None:
                 key, was, now = difference
                 raise ConfigError(f"{spec.run_dir} was started with {key}={was!r}; the sweep now says {now!r}. "
                                   f"Give the sweep another out_dir, or move that run away")
+
+
+def check_matches(specs: list[RunSpec]) -> None:
+    """An `sft_only` control's `match` is a run of this grid (it waits for it) or a finished one elsewhere."""
+    from toolcollapse.rl import matched_tokens
+
+    after = run_after(specs)
+    for spec in specs:
+        match = spec.cfg.supervision.sft_only.match
+        if match is not None and spec.run_dir not in after:
+            try:
+                matched_tokens(match.replace("{seed}", str(spec.seed)), spec.cfg)
+            except ConfigError as err:
+                raise ConfigError(f"settings.{spec.setting}: {err}") from None
 
 
 def check_evaluations(sweep: SweepConfig, specs: list[RunSpec]) -> None:
@@ -161,10 +177,32 @@ def eval_config(sweep: SweepConfig, split: str | None = None) -> RunConfig:
         raise ConfigError(f"overrides: {err}") from None
 
 
+def run_after(specs: list[RunSpec]) -> dict[Path, Path]:
+    """{run dir: the run dir of this grid it must wait for}: an `sft_only` control whose `match` is a run of
+    the same grid starts once that run has finished (it spends as many SFT tokens as that run did)."""
+    dirs = {os.path.normpath(s.run_dir): s.run_dir for s in specs}
+    after = {}
+    for spec in specs:
+        match = spec.cfg.supervision.sft_only.match
+        if match is None:
+            continue
+        target = dirs.get(os.path.normpath(match.replace("{seed}", str(spec.seed))))
+        if target == spec.run_dir:
+            raise ConfigError(f"settings.{spec.setting}: supervision.sft_only.match names the run itself")
+        if target is not None:
+            after[spec.run_dir] = target
+    for first, then in after.items():
+        if then in after:
+            raise ConfigError(f"{first} would wait for {then}, which waits for {after[then]}: an sft_only control "
+                              "matches a run that trains, not another control")
+    return after
+
+
 def run_sweep(sweep: SweepConfig, specs: list[RunSpec], on_done: Callable[[str], None] | None = None,
               quiet: bool = False) -> list[Path]:
-    """Every run (and the starting checkpoint's evaluation) in `sweep.workers` processes; `on_done(what)`
-    as each finishes (default: a line on stdout). `quiet`: no progress bars from the workers."""
+    """Every run (and the starting checkpoint's evaluation) in `sweep.workers` processes, each run once the
+    run it waits for (`run_after`) is done; `on_done(what)` as each finishes (default: a line on stdout).
+    `quiet`: no progress bars from the workers."""
     jobs = [(spec, sweep, quiet, os.getcwd()) for spec in specs]
     if sweep.eval_n:
         jobs.append((None, sweep, quiet, os.getcwd()))
@@ -173,27 +211,49 @@ def run_sweep(sweep: SweepConfig, specs: list[RunSpec], on_done: Callable[[str],
     if sweep.backend == "ray":
         _run_on_ray(jobs, sweep, report, quiet)
         return [s.run_dir for s in specs]
+    after = run_after(specs)
+    waiting = [job for job in jobs if job[0] is not None and job[0].run_dir in after]
+    finished: queue.SimpleQueue = queue.SimpleQueue()
     ctx = mp.get_context("spawn")  # fresh interpreters: torch threads and RNG state do not leak across runs
     with ctx.Pool(sweep.workers, maxtasksperchild=1) as pool:
-        for done in pool.imap_unordered(_run_one, jobs):
+        def submit(job: tuple) -> None:
+            pool.apply_async(_run_one, (job,), callback=finished.put, error_callback=finished.put)
+
+        for job in jobs:
+            if job not in waiting:
+                submit(job)
+        for _ in jobs:
+            done = finished.get()
+            if isinstance(done, BaseException):
+                raise done
             report(done)
+            for job in [j for j in waiting if str(after[j[0].run_dir]) == done]:
+                waiting.remove(job)
+                submit(job)
     return [s.run_dir for s in specs]
 
 
 def _run_on_ray(jobs: list[tuple], sweep: SweepConfig, report: Callable[[str], None], quiet: bool) -> None:
     """One Ray task per job, each in a fresh worker process (max_calls=1, as the local pool's
-    maxtasksperchild), `threads_per_worker` CPUs each: the cluster decides how many run at once."""
+    maxtasksperchild), `threads_per_worker` CPUs each: the cluster decides how many run at once; a run
+    that waits for another (`run_after`) is submitted once that one is done."""
     import ray
 
     if not ray.is_initialized():
         ray.init(address=sweep.ray_address, include_dashboard=False, log_to_driver=not quiet)
     # no retries: a run that fails says so (re-running the sweep resumes it from its last checkpoint)
     task = ray.remote(num_cpus=sweep.threads_per_worker, max_calls=1, max_retries=0)(_run_one)
-    pending = [task.remote(job) for job in jobs]
+    after = run_after([job[0] for job in jobs if job[0] is not None])
+    waiting = [job for job in jobs if job[0] is not None and job[0].run_dir in after]
+    pending = [task.remote(job) for job in jobs if job not in waiting]
     try:
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            report(ray.get(done[0]))
+            ready, pending = ray.wait(pending, num_returns=1)
+            done = ray.get(ready[0])
+            report(done)
+            for job in [j for j in waiting if str(after[j[0].run_dir]) == done]:
+                waiting.remove(job)
+                pending.append(task.remote(job))
     finally:
         for ref in pending:  # after a failure, the runs not finished yet stop too
             ray.cancel(ref, force=True)
