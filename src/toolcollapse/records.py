@@ -9,7 +9,10 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import torch
 
 Role = Literal["system", "user", "assistant", "tool"]
 

@@ -481,7 +481,7 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
 
     env = make_env(cfg)
     order = task_order(env.tasks(g.split), cfg.seed)
-    probe, probe_tokens = _probe(cfg, env, tokenizer)
+    probe, probe_tokens = probe_for(cfg, env, tokenizer)
     val_tasks = env.tasks(cfg.eval.split, g.eval_n) if g.eval_every else []
     engine = RolloutEngine(model, tokenizer, env, cfg.rollout.call_end, cfg.rollout.shared_prefix_attention,
                            cfg.rollout.compact_finished_rows)
@@ -660,7 +660,9 @@ def _control_stats(collected: list, token_ids: dict[str, int]) -> dict[str, floa
     return sampled_control_stats(targets, logp, old, entropy, token_ids)
 
 
-def _probe(cfg: RunConfig, env: Any, tokenizer: Any) -> tuple[ProbeSet | None, dict[str, int]]:
+def probe_for(cfg: RunConfig, env: Any, tokenizer: Any) -> tuple[ProbeSet | None, dict[str, int]]:
+    """The run's probe set (the first `monitor.probe_size` training tasks' oracle conversations, with their
+    content labels; None when the probe is off) and the ids of the control tokens it reports."""
     m = cfg.monitor
     token_ids = resolve_token_ids(tokenizer, m.control_tokens)
     if m.probe_every <= 0 or m.probe_size <= 0:
