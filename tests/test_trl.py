@@ -113,6 +113,19 @@ def test_two_processes_log_whole_batch_statistics_and_stop_together_on_an_inject
         assert row.get("ctrl/im_end/n_sampled", 0) == sum(s.get("ctrl/im_end/n_sampled", 0) for s in per_rank)
     assert [_ctrl(r) for r in ends[1]["log_history"] if _ctrl(r)] == [_ctrl(r) for r in logs]  # same on both ranks
 
+    # the four states: counts summed over both ranks' completions (not a mean of per-rank rates)
+    from toolcollapse.integrations.trl import TurnStates
+
+    tokenizer = AutoTokenizer.from_pretrained(answering_checkpoint)
+    for row in logs:
+        turns = TurnStates(tokenizer)
+        for r in (0, 1):
+            gen = torch.load(tmp_path / f"rank{r}" / f"gen_{row['step'] - 1}.pt")
+            turns.add(gen["completion_ids"], gen["completion_mask"])
+        expected = turns.reduce()
+        assert {k: row[k] for k in expected} == pytest.approx(expected, abs=1e-12)
+        assert sum(v for k, v in expected.items() if k.startswith("state/")) == pytest.approx(1.0)
+
     # the spike: <|im_end|> pushed up from step 2 on; the probe sees it before that step's update, every rank
     # stops after it, and a checkpoint of that step is saved
     for end in ends:
@@ -125,3 +138,11 @@ def test_two_processes_log_whole_batch_statistics_and_stop_together_on_an_inject
     assert {a["step"] for a in alarms} == {2} and {a["action"] for a in alarms} == {"stop"}
     monitored = [json.loads(line) for line in (tmp_path / "trainer" / "monitor.jsonl").read_text().splitlines()]
     assert [r["step"] for r in monitored if "probe/im_end/p_forbidden_max" in r] == [0, 1, 2]
+    assert [r["step"] for r in monitored if "healthy_rate" in r] == [0, 1, 2]  # rollouts of steps 0-2
+
+    # `diagnose` reads the TRL output directory as one of our runs: the same rules, replayed, fire at step 2
+    from toolcollapse.diagnose import diagnose_run
+
+    d = diagnose_run(tmp_path / "trainer", tmp_path / "diagnose")
+    assert d.steps_done == 3 and d.first_alarm == 2
+    assert (tmp_path / "diagnose" / "control_tokens.png").is_file() and (tmp_path / "diagnose" / "states.png").is_file()

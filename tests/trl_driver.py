@@ -3,6 +3,7 @@ under `accelerate launch --cpu --num_processes 2` (gloo). Each rank writes what 
 
   <out>/rank<r>/batch_<step>.pt   the sampled tokens its micro-batches fed the ctrl/* statistics
                                   (targets, logp, old logp, entropy), before the cross-rank reduction
+  <out>/rank<r>/gen_<step>.pt     the completions it sampled at that (0-based) step
   <out>/rank<r>/first.pt          its first micro-batch's inputs and the weights they were scored with
   <out>/rank<r>/end.json          the global step it stopped at, its alarms and its log history
 
@@ -70,6 +71,12 @@ def main() -> None:
                             "weights": {k: v.detach().clone() for k, v in self.model.state_dict().items()}},
                            mine / "first.pt")
             return super()._compute_loss(model, inputs)
+
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            torch.save({k: out[k].cpu() for k in ("completion_ids", "completion_mask")},
+                       mine / f"gen_{self.state.global_step}.pt")
+            return out
 
         def log(self, logs, start_time=None):
             if self.model.training and self.sampled.parts:

@@ -78,9 +78,13 @@ def diagnose_rows(rows: Sequence[Mapping[str, Any]], rules: Sequence[Rule], base
 
 
 def read_run(run_dir: Path) -> tuple[RunConfig, list[dict[str, Any]]]:
+    """A run's config and metric rows: one of ours, or the output directory of a TRL run monitored by
+    toolcollapse.integrations.trl (its monitor.jsonl rows merged by step, its monitor.yaml)."""
     from toolcollapse.rl import resume_config
     from toolcollapse.runtime import read_jsonl
 
+    if not (Path(run_dir) / "metrics.jsonl").is_file() and (Path(run_dir) / "monitor.jsonl").is_file():
+        return read_trl_run(Path(run_dir))
     cfg = resume_config(run_dir)
     path = Path(run_dir) / "metrics.jsonl"
     rows = read_jsonl(path) if path.is_file() else []
@@ -89,6 +93,25 @@ def read_run(run_dir: Path) -> tuple[RunConfig, list[dict[str, Any]]]:
 
         raise ConfigError(f"{path}: no metrics yet (has the run taken a step?)")
     return cfg, rows
+
+
+def read_trl_run(out_dir: Path) -> tuple[RunConfig, list[dict[str, Any]]]:
+    from toolcollapse.config import ConfigError, load_config
+    from toolcollapse.runtime import read_jsonl
+
+    config = out_dir / "monitor.yaml"
+    if not config.is_file():
+        raise ConfigError(f"{out_dir}: monitor.jsonl without monitor.yaml; was it written by "
+                          "toolcollapse.integrations.trl?")
+    by_step: dict[int, dict[str, Any]] = {}
+    for row in read_jsonl(out_dir / "monitor.jsonl"):
+        by_step.setdefault(int(row["step"]), {}).update(row)
+    # every step has its probe (before the update, if it ran then) and its rollouts' series (logged after)
+    rows = [by_step[k] for k in sorted(by_step) if "healthy_rate" in by_step[k]]
+    if not rows:
+        raise ConfigError(f"{out_dir}/monitor.jsonl: no healthy_rate yet (MonitoredGRPOTrainer logs it; has it "
+                          "logged a step?)")
+    return RunConfig(monitor=load_config(config, cls=MonitorConfig, inherit=False)), rows
 
 
 def diagnose_run(run_dir: Path, out_dir: Path | None = None, figures: bool = True) -> RunDiagnosis:

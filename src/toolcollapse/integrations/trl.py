@@ -20,7 +20,12 @@ toolcollapse brings its monitor:
                                    monitor=ControlTokenCallback.for_tool_world(run_config, tokenizer))
     trainer.train()    # logs ctrl/* and probe/*; alarms in <output_dir>/alarms.jsonl
 
-The series keep the names `rl` gives them, so `diagnose` and the alarm rules read either trainer.
+- It also sorts every sampled turn into the four states with toolcollapse's parser (`state/*`,
+  `error/*`, `healthy_rate`, summed over ranks), so a collapse shows in the same series as in `rl`.
+
+The series keep the names `rl` gives them, and the output directory holds `monitor.jsonl` (the series,
+each row with its step) and `monitor.yaml` (the monitor's config): `toolcollapse diagnose OUTPUT_DIR`
+reads a monitored TRL run as it reads one of ours.
 """
 
 from __future__ import annotations
@@ -43,7 +48,9 @@ except ImportError as err:  # pragma: no cover - the message is the point
     raise ImportError("toolcollapse.integrations.trl needs TRL: pip install 'toolcollapse[trl]'") from err
 
 ALARMS = "alarms.jsonl"  # in the trainer's output_dir: one line per alarm, with the action taken
-MONITOR = "monitor.jsonl"  # ... one line per probe and per log: the series with the step they belong to
+MONITOR = "monitor.jsonl"  # ... one line per probe and per log: the series with their step, 0-based as in rl's
+                           # metrics.jsonl (a probe before that step's update, the rollouts sampled in it)
+MONITOR_CONFIG = "monitor.yaml"  # ... the MonitorConfig the rules came from (what `diagnose` replays)
 
 
 def _append(out_dir: str, name: str, row: Mapping[str, Any]) -> None:
@@ -116,6 +123,63 @@ class SampledTokens:
         return sampled_control_stats(targets.long(), logp, old, entropy, self.token_ids)
 
 
+class TurnStates:
+    """Four-state and error counts of the sampled turns since the last log, summed over ranks at `reduce`:
+    the rates `rl.rollout_stats` logs (`state/*`, `error/*`, `healthy_rate`, `turns_per_episode`)."""
+
+    def __init__(self, tokenizer: Any, tools: Mapping[str, Any] | None = None):
+        from toolcollapse.autopsy import control_tag_ids
+
+        self.tokenizer, self.tools = tokenizer, tools
+        self.id_to_tag, self.text_tags = control_tag_ids(tokenizer)
+        self.counts = torch.zeros(len(self._keys()), dtype=torch.float64)
+
+    @staticmethod
+    def _keys() -> list[str]:
+        from toolcollapse.records import ErrorType, TurnState
+
+        return (["n_rollouts", "n_turns"] + [f"state/{s.value}" for s in TurnState]
+                + [f"error/{e.value}" for e in ErrorType])
+
+    def add(self, completion_ids: torch.Tensor, mask: torch.Tensor) -> None:
+        """[B, T] completions of one generation batch (`mask`: their tokens; a multi-turn completion's tool
+        responses are split off by the chat format's turn boundaries)."""
+        from toolcollapse.autopsy import split_turns
+        from toolcollapse.chat import valid_text
+        from toolcollapse.parser import parse_turn, parse_turn_ids
+
+        def decode(ids: list[int]) -> str:
+            return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+        keys = {k: i for i, k in enumerate(self._keys())}
+        for ids, m in zip(completion_ids.tolist(), mask.tolist()):
+            turns = [valid_text(t) for t in split_turns(decode([i for i, k in zip(ids, m) if k]))]
+            self.counts[keys["n_rollouts"]] += 1
+            for turn in turns:
+                # every control tag one token: the live parse, on ids; otherwise the tags can only match as text
+                parsed = (parse_turn(turn, self.tools) if self.text_tags else
+                          parse_turn_ids(self.tokenizer(turn, add_special_tokens=False)["input_ids"], self.id_to_tag,
+                                         decode, self.tools))
+                self.counts[keys["n_turns"]] += 1
+                self.counts[keys[f"state/{parsed.state.value}"]] += 1
+                for e in parsed.errors:
+                    self.counts[keys[f"error/{e.value}"]] += 1
+
+    def reduce(self) -> dict[str, float]:
+        """The rates over every rank's turns since the last call (a collective: call it on every rank)."""
+        from toolcollapse.records import TurnState
+
+        counts = _gather_rows(self.counts[None]).sum(dim=0)
+        self.counts = torch.zeros_like(self.counts)
+        total = dict(zip(self._keys(), counts.tolist()))
+        if not total["n_turns"]:
+            return {}
+        out = {k: v / total["n_turns"] for k, v in total.items() if k.startswith(("state/", "error/"))}
+        out["healthy_rate"] = sum(out[f"state/{s.value}"] for s in TurnState if s.healthy)
+        out["turns_per_episode"] = total["n_turns"] / total["n_rollouts"]
+        return out
+
+
 # ----------------------------------------------------------------------------- the probe and the alarms
 
 
@@ -151,6 +215,16 @@ class ControlTokenCallback(TrainerCallback):
         self.trainer = trainer
         trainer.callback_handler.callbacks.insert(0, self)
         return self
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        from accelerate import PartialState
+
+        from toolcollapse.config import dump_config
+
+        if PartialState().is_main_process:
+            Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+            dump_config(self.monitor, Path(args.output_dir) / MONITOR_CONFIG)
+        return control
 
     # -- probe -----------------------------------------------------------------------------------------
 
@@ -209,10 +283,13 @@ class MonitoredGRPOTrainer(GRPOTrainer):
     rank, and a `ControlTokenCallback` (`monitor`) whose rules also watch them."""
 
     def __init__(self, *args: Any, monitor: ControlTokenCallback | None = None,
-                 control_tokens: tuple[str, ...] | None = None, **kwargs: Any):
+                 control_tokens: tuple[str, ...] | None = None, tools: Mapping[str, Any] | None = None, **kwargs: Any):
+        """`tools`: name -> ToolSpec of the tools the policy may call (None: unknown tools and bad arguments
+        are not checked, only the format)."""
         super().__init__(*args, **kwargs)
         names = control_tokens or (monitor.monitor if monitor else MonitorConfig()).control_tokens
         self.sampled = SampledTokens(resolve_token_ids(self.processing_class, names))
+        self.turns = TurnStates(self.processing_class, tools)
         self.monitor = monitor.attach(self) if monitor else None
         self._captured: tuple[torch.Tensor, torch.Tensor] | None = None
         self._capture = False
@@ -221,6 +298,12 @@ class MonitoredGRPOTrainer(GRPOTrainer):
         out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
         if self._capture:
             self._captured = (out[0], out[1])
+        return out
+
+    def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
+        out = super()._generate_and_score_completions(inputs)
+        if self.model.training:
+            self.turns.add(out["completion_ids"], out["completion_mask"])
         return out
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
@@ -242,8 +325,10 @@ class MonitoredGRPOTrainer(GRPOTrainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.model.training and not any(k.startswith("eval_") for k in logs):
-            stats = self.sampled.reduce()  # every rank calls log(): a collective is safe here
+            stats = {**self.turns.reduce(), **self.sampled.reduce()}  # every rank calls log(): collectives are safe
             logs.update(stats)
             if self.monitor is not None and stats:
-                self.control = self.monitor.observe(self.state.global_step, stats, self.args, self.control)
+                # the step the rollouts were sampled at, 0-based as in rl's metrics.jsonl (TRL's global_step
+                # counts the steps done); with logging_steps > 1, the last of the steps they span
+                self.control = self.monitor.observe(self.state.global_step - 1, stats, self.args, self.control)
         super().log(logs, start_time)
