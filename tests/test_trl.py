@@ -146,3 +146,126 @@ def test_two_processes_log_whole_batch_statistics_and_stop_together_on_an_inject
     d = diagnose_run(tmp_path / "trainer", tmp_path / "diagnose")
     assert d.steps_done == 3 and d.first_alarm == 2
     assert (tmp_path / "diagnose" / "control_tokens.png").is_file() and (tmp_path / "diagnose" / "states.png").is_file()
+
+
+def test_rejected_controls_marks_the_first_bad_control_token_of_each_sampled_turn(tokenizer):
+    from toolcollapse.autopsy import control_tag_ids
+    from toolcollapse.integrations.trl import rejected_controls
+
+    id_to_tag = control_tag_ids(tokenizer)[0]
+    tag = {t: i for i, t in id_to_tag.items()}
+    word = tokenizer("hello", add_special_tokens=False)["input_ids"][0]
+    # turn 1: a call closed by <|im_end|> inside it (full collapse); a tool response (mask 0); turn 2: a stray
+    # </tool_call> and then <tool_response>: only the first is marked; then padding
+    ids = [tag["<tool_call>"], word, tag["<|im_end|>"], word, word, tag["</tool_call>"], tag["<tool_response>"],
+           tag["<|im_end|>"], 0]
+    mask = [1, 1, 1, 0, 1, 1, 1, 1, 0]
+    healthy = [word, word, tag["<|im_end|>"], 0, 0, 0, 0, 0, 0]
+    out = rejected_controls(torch.tensor([ids, healthy]), torch.tensor([mask, [1, 1, 1, 0, 0, 0, 0, 0, 0]]), id_to_tag)
+    assert out[0].nonzero().flatten().tolist() == [2, 5] and not out[1].any()
+
+
+@pytest.mark.slow
+def test_the_sft_term_trains_each_prompt_s_reference_once_and_equals_our_nll(tmp_path, answering_checkpoint):
+    from transformers import AutoTokenizer
+
+    from toolcollapse.model import load_model, logits_at
+
+    (end,) = _drive(answering_checkpoint, tmp_path, "--steps", "2", "--sft-coef", "0.5", "--unlikelihood-coef", "0.5")
+    first_log = end["log_history"][0]
+    saved = torch.load(tmp_path / "rank0" / "first.pt")
+    x = saved["inputs"]
+    tokenizer = AutoTokenizer.from_pretrained(answering_checkpoint)
+    kind, ids = x["sft_mask"], x["sft_ids"]
+    carrying = (kind == 2).any(dim=1)
+    prompts = [tokenizer.decode(p[m.bool()]) for p, m in zip(x["prompt_ids"], x["prompt_mask"])]
+    assert int(carrying.sum()) == len(set(prompts)) == 2  # 8 rows, 2 prompts x 4: each reference once
+    for i in carrying.nonzero().flatten().tolist():
+        text = tokenizer.decode(ids[i][kind[i] == 2], skip_special_tokens=False)
+        assert text.startswith("<tool_call>") and text.endswith("</tool_call><|im_end|>")
+        assert tokenizer.decode(ids[i][kind[i] == 1]) == prompts[i]
+
+    # its NLL, by our forward with the weights that step trained from
+    model = load_model(answering_checkpoint)
+    model.load_state_dict(saved["weights"])
+    rows, k = ids[carrying], kind[carrying]
+    width = int((k > 0).sum(dim=1).max())
+    rows, k = rows[:, :width], k[:, :width]
+    select = torch.zeros_like(k, dtype=torch.bool)
+    select[:, :-1] = k[:, 1:] == 2
+    with torch.no_grad():
+        nll = torch.nn.functional.cross_entropy(logits_at(model.eval(), rows, select), rows[k == 2])
+    assert first_log["sup/sft_tokens"] == int((k == 2).sum()) and first_log["sup/sft_tokens_total"] == first_log[
+        "sup/sft_tokens"]
+    assert first_log["sup/sft_nll"] == pytest.approx(nll.item(), abs=1e-5)
+    second = end["log_history"][1]
+    assert second["sup/sft_tokens_total"] == first_log["sup/sft_tokens"] + second["sup/sft_tokens"]
+    # unlikelihood: as many terms as rejected control tokens the parser found in the step's completions
+    assert first_log["sup/unlikely_tokens"] == int(x["unlikely"].sum())
+
+
+@pytest.mark.slow
+def test_ets_alternates_grpo_rounds_and_sft_phases_on_the_failed_prompts_of_each_round(tmp_path, answering_checkpoint):
+    (end,) = _drive(answering_checkpoint, tmp_path, "--steps", "2", "--rounds", "2")
+    phases = end["phases"]
+    assert [p["step"] for p in phases] == [2, 4] and all(p["phase/steps"] > 0 for p in phases)
+    # every completion of the answering model fails (no tool call): each round's 2 steps x 2 prompts are the data
+    for k, phase in enumerate(phases):
+        rows = [json.loads(line) for line in (tmp_path / f"phase_{k}.jsonl").read_text().splitlines()]
+        assert len(rows) == phase["tasks"] == 4
+        assert all(r["completion"].startswith("<tool_call>") and r["prompt"].endswith("assistant\n") for r in rows)
+    first, second = ([json.loads(line)["prompt"] for line in (tmp_path / f"phase_{k}.jsonl").read_text().splitlines()]
+                     for k in (0, 1))
+    assert not set(first) & set(second)  # each round on its own part of the data
+    # one step count across rounds, and the phase trained the model the next round samples from: the ground
+    # truth's tool name, never seen in SFT before, becomes far more likely after the first phase
+    monitored = [json.loads(line) for line in (tmp_path / "trainer" / "monitor.jsonl").read_text().splitlines()]
+    probes = {r["step"]: r["probe/content/tool_name/logp"] for r in monitored if "probe/content/tool_name/logp" in r}
+    assert sorted(probes) == [0, 1, 2, 3]
+    assert probes[2] > probes[1] + 2.0
+    assert [json.loads(line)["step"] for line in (tmp_path / "trainer" / "phases.jsonl").read_text().splitlines()] == [
+        2, 4]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shaping", ["luffy", "none"])
+def test_ops_puts_the_reference_in_one_row_of_each_group_and_shapes_its_loss(tmp_path, answering_checkpoint, shaping):
+    from transformers import AutoTokenizer
+
+    from toolcollapse.losses import luffy_loss
+    from toolcollapse.model import load_model
+    from toolcollapse.records import PolicyBatch
+    from toolcollapse.rl import policy_logprobs
+
+    (end,) = _drive(answering_checkpoint, tmp_path, "--steps", "2", "--ops", "1", "--ops-shaping", shaping)
+    first_log = end["log_history"][0]
+    saved = torch.load(tmp_path / "rank0" / "first.pt")
+    x = saved["inputs"]
+    tokenizer = AutoTokenizer.from_pretrained(answering_checkpoint)
+    expert = x["expert"]
+    assert int(expert.sum()) == 2 == first_log["sup/expert_rows"]  # 8 rows = 2 groups of 4: one expert row each
+    texts = [tokenizer.decode(c[m.bool()], skip_special_tokens=False)
+             for c, m in zip(x["completion_ids"], x["completion_mask"])]
+    for text in (t for t, e in zip(texts, expert.tolist()) if e):  # the ground truth's first turn
+        assert text.startswith("<tool_call>") and text.endswith("</tool_call><|im_end|>")
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    own = x["completion_ids"][~expert][x["completion_mask"][~expert].bool()]
+    assert first_log["ctrl/im_end/n_sampled"] == int((own == im_end).sum())  # the monitor leaves expert rows out
+    if shaping == "none":
+        assert "sup/expert_luffy_loss" not in first_log
+        return
+    # LUFFY's shaped loss of the expert tokens, from our forward with the same weights and TRL's advantages
+    model = load_model(answering_checkpoint)
+    model.load_state_dict(saved["weights"])
+    rows = [torch.cat([p[m.bool()], c[k.bool()]]) for p, m, c, k, e in
+            zip(x["prompt_ids"], x["prompt_mask"], x["completion_ids"], x["completion_mask"], expert) if e]
+    prompt_lens = [int(m.sum()) for m, e in zip(x["prompt_mask"], expert) if e]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    sampled = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, (r, n) in enumerate(zip(rows, prompt_lens)):
+        ids[i, :len(r)], sampled[i, n:len(r)] = r, True
+    with torch.no_grad():
+        logp, _ = policy_logprobs(model.eval(), PolicyBatch(ids, sampled, torch.zeros(ids.shape), torch.zeros(len(rows))))
+    advantages = torch.cat([x["advantages"][expert][i].expand(int(sampled[i].sum())) for i in range(len(rows))])
+    assert first_log["sup/expert_luffy_loss"] == pytest.approx(luffy_loss(logp, advantages, 0.1).mean().item(), abs=1e-5)

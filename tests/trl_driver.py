@@ -5,7 +5,7 @@ under `accelerate launch --cpu --num_processes 2` (gloo). Each rank writes what 
                                   (targets, logp, old logp, entropy), before the cross-rank reduction
   <out>/rank<r>/gen_<step>.pt     the completions it sampled at that (0-based) step
   <out>/rank<r>/first.pt          its first micro-batch's inputs and the weights they were scored with
-  <out>/rank<r>/end.json          the global step it stopped at, its alarms and its log history
+  <out>/rank<r>/end.json          the global step it stopped at, its alarms and its log history (ETS: the phases)
 
     python tests/trl_driver.py CHECKPOINT OUT [--steps N] [--inject-at K] [--on-alarm stop]
 """
@@ -27,6 +27,11 @@ def main() -> None:
     ap.add_argument("--per-device", type=int, default=8)  # completions per rank and step
     ap.add_argument("--inject-at", type=int, default=None)  # from this step on, <|im_end|>'s logit + 12
     ap.add_argument("--on-alarm", default="log")
+    ap.add_argument("--sft-coef", type=float, default=0.0)
+    ap.add_argument("--unlikelihood-coef", type=float, default=0.0)
+    ap.add_argument("--ops", type=int, default=0)
+    ap.add_argument("--ops-shaping", default="luffy")
+    ap.add_argument("--rounds", type=int, default=0)  # > 0: ETS, rounds of --steps GRPO steps, then SFT phases
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -46,10 +51,16 @@ def main() -> None:
                                                f"monitor.on_alarm={args.on_alarm}"])
     env = make_env(cfg)
     tasks = env.tasks("train")[:64]
-    data = Dataset.from_dict({"prompt": [render_text([t.prompt[-1]], add_generation_prompt=True) for t in tasks]})
+    prompts = [render_text([t.prompt[-1]], add_generation_prompt=True) for t in tasks]
+    # the ground truth's first turn, as the policy would write it after the prompt
+    references = [render_text([t.prompt[-1], t.reference[0]]).removeprefix(p).removesuffix("\n")
+                  for t, p in zip(tasks, prompts)]
+    data = Dataset.from_dict({"prompt": prompts, "reference": references})
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
 
     def length(completions: list[str], **_: object) -> list[float]:  # any reward whose groups differ moves the weights
+        if args.rounds:  # ETS: a task fails unless its completion calls a tool (the answering model never does)
+            return [float("<tool_call>" in c) for c in completions]
         return [len(c) / 10 for c in completions]
 
     monitor = ControlTokenCallback.for_tool_world(cfg, tokenizer)
@@ -66,7 +77,8 @@ def main() -> None:
 
         def _compute_loss(self, model, inputs):
             if not (mine / "first.pt").exists():
-                keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+                keys = [k for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "sft_ids",
+                                    "sft_mask", "unlikely", "expert", "advantages") if k in inputs]
                 torch.save({"inputs": {k: inputs[k].cpu() for k in keys},
                             "weights": {k: v.detach().clone() for k, v in self.model.state_dict().items()}},
                            mine / "first.pt")
@@ -83,8 +95,31 @@ def main() -> None:
                 torch.save(torch.cat(self.sampled.parts), mine / f"batch_{self.state.global_step}.pt")
             super().log(logs, start_time)
 
-    trainer = Recording(model=load_model(args.checkpoint), reward_funcs=length, args=config, train_dataset=data,
-                        processing_class=tokenizer, monitor=monitor)
+    model = load_model(args.checkpoint)
+
+    def make_grpo(round_=0):  # every round on its own part of the data
+        part = data.select(range(round_ * 16, (round_ + 1) * 16)) if args.rounds else data
+        return Recording(model=model, reward_funcs=length, args=config, train_dataset=part, processing_class=tokenizer,
+                         monitor=monitor, sft_coef=args.sft_coef, unlikelihood_coef=args.unlikelihood_coef,
+                         ops=args.ops, ops_shaping=args.ops_shaping)
+
+    if args.rounds:
+        from trl import SFTConfig, SFTTrainer
+
+        from toolcollapse.integrations.trl import train_interleaved
+
+        def make_sft(dataset):
+            dataset.to_json(str(Path(args.out) / f"phase_{len(list(Path(args.out).glob('phase_*')))}.jsonl"))
+            sft_args = SFTConfig(output_dir=str(Path(args.out) / "sft"), use_cpu=True, bf16=False,
+                                 per_device_train_batch_size=8, num_train_epochs=2, learning_rate=1e-2,
+                                 lr_scheduler_type="constant", logging_steps=1, report_to="none", save_strategy="no",
+                                 completion_only_loss=True, seed=0)
+            return SFTTrainer(model=model, args=sft_args, train_dataset=dataset, processing_class=tokenizer)
+
+        phases = train_interleaved(make_grpo, make_sft, rounds=args.rounds, window=args.steps)
+        (mine / "end.json").write_text(json.dumps({"phases": phases}))
+        return
+    trainer = make_grpo()
 
     class Inject(TrainerCallback):
         """From step `inject_at` on, every forward through the LM head puts 12 nats more on <|im_end|>."""

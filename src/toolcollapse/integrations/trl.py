@@ -20,6 +20,17 @@ toolcollapse brings its monitor:
                                    monitor=ControlTokenCallback.for_tool_world(run_config, tokenizer))
     trainer.train()    # logs ctrl/* and probe/*; alarms in <output_dir>/alarms.jsonl
 
+- Two supervision terms go into the loss (`compute_loss`, scaled for gradient accumulation as TRL's own
+  auxiliary loss): the synchronous SFT term, `sft_coef` * token-mean NLL of the ground-truth completion
+  (the dataset's `reference` column) of each prompt of the batch, once per prompt, and unlikelihood,
+  `unlikelihood_coef` * -log(1 - p) at the first control token the grammar rejects in each sampled turn
+  (`parser.first_rejected_control`), from TRL's own per-token log-probs. `sup/*` logs them, SFT tokens
+  included, so a gain can be told apart from more SFT.
+- OPS: `ops` rows of each group of G are the prompt's ground-truth completion instead of a sample (TRL's
+  groups are contiguous blocks of G; `_generate` is where they are filled), rewarded by the same reward
+  functions, the advantages over the mixed group; `ops_shaping: none` trains them with TRL's clipped
+  surrogate (the released scripts), `luffy` with -A * p / (p + 0.1) instead (LUFFY's shaping, the paper's
+  text). Expert rows stay out of `ctrl/*`, the four states and the failures ETS collects. Text prompts only.
 - It also sorts every sampled turn into the four states with toolcollapse's parser (`state/*`,
   `error/*`, `healthy_rate`, summed over ranks), so a collapse shows in the same series as in `rl`.
 
@@ -40,6 +51,7 @@ from transformers import TrainerCallback
 
 from toolcollapse.alarms import Alarm, Watcher, run_rules
 from toolcollapse.config import MonitorConfig, RunConfig
+from toolcollapse.losses import luffy_loss, unlikelihood
 from toolcollapse.monitor import ProbeSet, resolve_token_ids, run_probe, sampled_control_stats
 
 try:
@@ -180,6 +192,65 @@ class TurnStates:
         return out
 
 
+def rejected_controls(completion_ids: torch.Tensor, mask: torch.Tensor, id_to_tag: Mapping[int, str]) -> torch.Tensor:
+    """[B, T] bool: in each sampled turn of each completion, its first control token the grammar rejects.
+    A completion's turns are its runs of sampled tokens (`mask`: a multi-turn completion's tool responses
+    are 0 there), each cut after its `<|im_end|>`."""
+    from toolcollapse.chat import IM_END
+    from toolcollapse.parser import first_rejected_control
+
+    out = torch.zeros_like(completion_ids, dtype=torch.bool)
+    for b, (ids, m) in enumerate(zip(completion_ids.tolist(), mask.tolist())):
+        turn: list[int] = []  # positions of the current turn
+        for t, (tok, keep) in enumerate(zip(ids + [None], m + [0])):
+            if keep:
+                turn.append(t)
+            if turn and (not keep or id_to_tag.get(tok) == IM_END):
+                bad = first_rejected_control([ids[i] for i in turn], id_to_tag)
+                if bad is not None:
+                    out[b, turn[bad]] = True
+                turn = []
+    return out
+
+
+class Supervision:
+    """The synchronous SFT term and unlikelihood for `MonitoredGRPOTrainer`, and their counts since the last
+    log (summed over ranks at `reduce`)."""
+
+    KEYS = ("sft_nll_sum", "sft_tokens", "unlikelihood_sum", "unlikely_tokens", "expert_rows", "expert_loss_sum",
+            "expert_tokens")
+
+    def __init__(self, sft_coef: float, unlikelihood_coef: float, reference_column: str):
+        if sft_coef < 0 or unlikelihood_coef < 0:
+            raise ValueError(f"sft_coef {sft_coef} and unlikelihood_coef {unlikelihood_coef} must be >= 0")
+        self.sft_coef, self.unlikelihood_coef, self.column = sft_coef, unlikelihood_coef, reference_column
+        self.counts = torch.zeros(len(self.KEYS), dtype=torch.float64)
+        self.tokens_total = 0.0
+
+    def count(self, key: str, value: float) -> None:
+        self.counts[self.KEYS.index(key)] += value
+
+    def reduce(self) -> dict[str, float]:
+        counts = dict(zip(self.KEYS, _gather_rows(self.counts[None]).sum(dim=0).tolist()))
+        self.counts = torch.zeros_like(self.counts)
+        out = {}
+        if self.sft_coef > 0:
+            self.tokens_total += counts["sft_tokens"]
+            out["sup/sft_tokens"] = counts["sft_tokens"]
+            out["sup/sft_tokens_total"] = self.tokens_total
+            if counts["sft_tokens"]:
+                out["sup/sft_nll"] = counts["sft_nll_sum"] / counts["sft_tokens"]
+        if self.unlikelihood_coef > 0:
+            out["sup/unlikely_tokens"] = counts["unlikely_tokens"]
+            if counts["unlikely_tokens"]:
+                out["sup/unlikelihood"] = counts["unlikelihood_sum"] / counts["unlikely_tokens"]
+        if counts["expert_rows"]:
+            out["sup/expert_rows"] = counts["expert_rows"]
+            if counts["expert_tokens"]:
+                out["sup/expert_luffy_loss"] = counts["expert_loss_sum"] / counts["expert_tokens"]
+        return out
+
+
 # ----------------------------------------------------------------------------- the probe and the alarms
 
 
@@ -198,6 +269,7 @@ class ControlTokenCallback(TrainerCallback):
         self.pending: dict[str, float] = {}  # probe series not yet in a log
         self.alarms: list[Alarm] = []
         self.trainer: Any = None
+        self.step_offset = 0  # steps of earlier trainers on this policy (`train_interleaved`'s rounds)
 
     @classmethod
     def for_tool_world(cls, cfg: RunConfig, tokenizer: Any) -> ControlTokenCallback:
@@ -234,7 +306,7 @@ class ControlTokenCallback(TrainerCallback):
             return control
         stats = _from_rank_zero(self._run_probe(model))
         self.pending.update(stats)
-        return self.observe(state.global_step, stats, args, control)
+        return self.observe(self.step_offset + state.global_step, stats, args, control)
 
     def _run_probe(self, model: Any) -> dict[str, float]:
         if self.trainer is None:
@@ -283,13 +355,30 @@ class MonitoredGRPOTrainer(GRPOTrainer):
     rank, and a `ControlTokenCallback` (`monitor`) whose rules also watch them."""
 
     def __init__(self, *args: Any, monitor: ControlTokenCallback | None = None,
-                 control_tokens: tuple[str, ...] | None = None, tools: Mapping[str, Any] | None = None, **kwargs: Any):
+                 control_tokens: tuple[str, ...] | None = None, tools: Mapping[str, Any] | None = None,
+                 sft_coef: float = 0.0, unlikelihood_coef: float = 0.0, reference_column: str = "reference",
+                 ops: int = 0, ops_shaping: str = "luffy", luffy_gamma: float = 0.1, **kwargs: Any):
         """`tools`: name -> ToolSpec of the tools the policy may call (None: unknown tools and bad arguments
-        are not checked, only the format)."""
+        are not checked, only the format). `sft_coef` > 0 needs a text `reference_column` in the training
+        dataset: the ground-truth completion of the row's prompt, in the chat format the policy writes."""
         super().__init__(*args, **kwargs)
         names = control_tokens or (monitor.monitor if monitor else MonitorConfig()).control_tokens
         self.sampled = SampledTokens(resolve_token_ids(self.processing_class, names))
         self.turns = TurnStates(self.processing_class, tools)
+        self.supervision = Supervision(sft_coef, unlikelihood_coef, reference_column)
+        self.failures: list[dict[str, Any]] = []  # this rank's rollouts with reward <= 0: step, prompt, reference
+        if ops_shaping not in ("luffy", "none"):
+            raise ValueError(f"ops_shaping {ops_shaping!r}: luffy or none")
+        if not 0 <= ops < self.num_generations:
+            raise ValueError(f"ops={ops}: 0 (off) up to num_generations - 1 ({self.num_generations - 1}) rows a group")
+        if ops and self.use_vllm:
+            raise ValueError("ops with use_vllm: the expert rows have no vLLM sampling log-probs; not supported yet")
+        if (sft_coef > 0 or ops) and reference_column not in (self.train_dataset.column_names or ()):
+            raise ValueError(f"sft_coef and ops need the training dataset's {reference_column!r} column (the "
+                             f"ground-truth completion of each prompt); it has {self.train_dataset.column_names}")
+        self.ops, self.ops_shaping, self.luffy_gamma = ops, ops_shaping, luffy_gamma
+        self._inputs: list[dict[str, Any]] = []  # the generation batch's rows, for `_generate`
+        self._expert = torch.zeros(0, dtype=torch.bool)
         self.monitor = monitor.attach(self) if monitor else None
         self._captured: tuple[torch.Tensor, torch.Tensor] | None = None
         self._capture = False
@@ -300,22 +389,130 @@ class MonitoredGRPOTrainer(GRPOTrainer):
             self._captured = (out[0], out[1])
         return out
 
+    def _generate(self, prompts: list) -> tuple:
+        out = super()._generate(prompts)
+        if not (self.ops and self.model.training):
+            return out
+        prompt_ids, completion_ids, tool_mask, completions, logprobs, *rest = out
+        if any(not isinstance(c, str) for c in completions):
+            raise ValueError("ops: conversational prompts are not supported yet; give text prompts")
+        g, first = self.num_generations, self.accelerator.process_index * len(prompts)
+        self._expert = torch.tensor([(first + i) % g >= g - self.ops for i in range(len(prompts))])
+        for i in self._expert.nonzero().flatten().tolist():
+            reference = self._inputs[i][self.supervision.column]
+            ids = self.processing_class(reference, add_special_tokens=False)["input_ids"]
+            completion_ids[i], completions[i] = ids, reference
+            if tool_mask is not None:
+                tool_mask[i] = [1] * len(ids)
+            if logprobs is not None:
+                logprobs[i] = [0.0] * len(ids)  # not sampled; TRL uses them only with vLLM, refused above
+        return (prompt_ids, completion_ids, tool_mask, completions, logprobs, *rest)
+
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
+        self._inputs = inputs
+        self._expert = torch.zeros(len(inputs), dtype=torch.bool)
         out = super()._generate_and_score_completions(inputs)
-        if self.model.training:
-            self.turns.add(out["completion_ids"], out["completion_mask"])
+        if not self.model.training:
+            return out
+        mask = out["completion_mask"] * out["tool_mask"] if "tool_mask" in out else out["completion_mask"]
+        out["expert"] = self._expert.to(mask.device)
+        self.supervision.count("expert_rows", float(self._expert.sum()))
+        self.turns.add(out["completion_ids"][~out["expert"]], mask[~out["expert"]])
+        if self.supervision.unlikelihood_coef > 0:
+            out["unlikely"] = rejected_controls(out["completion_ids"], mask, self.turns.id_to_tag)
+        if self.supervision.sft_coef > 0:
+            out["sft_ids"], out["sft_mask"] = self._references(inputs, out)
         return out
 
+    def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> Any:
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if self.model.training and self.supervision.column in inputs[0]:
+            # TRL gathers every rank's rows in rank order; this rank's are its slice (as TRL slices advantages)
+            rank, n = self.accelerator.process_index, len(prompts)
+            local = rewards_per_func[rank * n:(rank + 1) * n]
+            rewards = (local * self.reward_weights.to(local.device).unsqueeze(0)).nansum(dim=1)
+            self.failures += [{"step": self.state.global_step, "prompt": x["prompt"],
+                               "reference": x[self.supervision.column]}
+                              for x, r, e in zip(inputs, rewards.tolist(), self._expert.tolist()) if r <= 0 and not e]
+        return rewards_per_func
+
+    def _references(self, inputs: list[dict[str, Any]], out: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, L] rows (right-padded) of prompt + ground-truth completion, and [B, L] what each token is:
+        0 padding, 1 context (the prompt), 2 trained (the reference); one row per prompt of this rank's batch carries it (a group's G rows share the prompt),
+        the others are all padding. The rows ride with the batch through TRL's shuffle and split."""
+        pad = self.processing_class.pad_token_id
+        rows, seen = [], set()
+        for x, p_ids, p_mask in zip(inputs, out["prompt_ids"].tolist(), out["prompt_mask"].tolist()):
+            key = json.dumps(x["prompt"], sort_keys=True, default=str)
+            if key in seen:
+                rows.append(([], []))
+                continue
+            seen.add(key)
+            prompt = [t for t, k in zip(p_ids, p_mask) if k]
+            ref = self.processing_class(x[self.supervision.column], add_special_tokens=False)["input_ids"]
+            rows.append((prompt + ref, [1] * len(prompt) + [2] * len(ref)))
+        width = max(1, max(len(ids) for ids, _ in rows))
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        kind = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, (r, m) in enumerate(rows):
+            ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+            kind[i, :len(m)] = torch.tensor(m, dtype=torch.long)
+        device = out["completion_ids"].device
+        return ids.to(device), kind.to(device)
+
+    def _supervision_loss(self, model: Any, inputs: dict[str, Any], logp: torch.Tensor) -> torch.Tensor | None:
+        """The auxiliary terms of one micro-batch, scaled for gradient accumulation as TRL's aux loss is."""
+        s, terms = self.supervision, []
+        if s.unlikelihood_coef > 0 and inputs["unlikely"].any():
+            values = unlikelihood(logp[inputs["unlikely"]])
+            s.count("unlikelihood_sum", values.detach().sum().item())
+            s.count("unlikely_tokens", values.numel())
+            terms.append(s.unlikelihood_coef * values.mean())
+        if s.sft_coef > 0 and (inputs["sft_mask"] == 2).any():
+            rows = (inputs["sft_mask"] == 2).any(dim=1)
+            ids, kind = inputs["sft_ids"][rows], inputs["sft_mask"][rows]
+            width = int((kind > 0).sum(dim=1).max())
+            ids, kind = ids[:, :width], kind[:, :width]
+            train = kind == 2
+            select = torch.zeros_like(train)
+            select[:, :-1] = train[:, 1:]  # the position before a trained token predicts it
+            logits = model(input_ids=ids, attention_mask=(kind > 0).long()).logits
+            nll = torch.nn.functional.cross_entropy(logits[select].float(), ids[train], reduction="sum")
+            s.count("sft_nll_sum", nll.item())
+            s.count("sft_tokens", int(train.sum()))
+            terms.append(s.sft_coef * nll / train.sum())
+        return sum(terms) / self.current_gradient_accumulation_steps if terms else None
+
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+        training = self.model.training
+        expert = inputs["expert"] if training else None
+        luffy = training and self.ops_shaping == "luffy" and bool(expert.any())
+        # LUFFY: TRL's surrogate on the policy's rows only (through tool_mask, which masks the loss alone: the
+        # completion mask is also the forward's attention mask); the expert rows' shaped loss is added below
+        seen = inputs
+        if luffy:
+            own = (~expert[:, None]).expand_as(inputs["completion_mask"]).to(inputs["completion_mask"].dtype)
+            seen = {**inputs, "tool_mask": inputs["tool_mask"] * own if "tool_mask" in inputs else own}
         self._capture = True
         try:
-            loss = super()._compute_loss(model, inputs)
+            loss = super()._compute_loss(model, seen)
         finally:
             self._capture = False
         logp, entropy = self._captured
         self._captured = None
-        if self.model.training:
+        if training:
+            extra = self._supervision_loss(model, inputs, logp)
+            loss = loss if extra is None else loss + extra
+            if luffy:
+                rows = inputs["completion_mask"].bool() & expert[:, None]
+                advantages = inputs["advantages"]
+                advantages = advantages[:, None].expand_as(logp) if advantages.dim() == 1 else advantages
+                shaped = luffy_loss(logp[rows], advantages[rows], self.luffy_gamma)
+                self.supervision.count("expert_loss_sum", shaped.detach().sum().item())
+                self.supervision.count("expert_tokens", shaped.numel())
+                loss = loss + shaped.mean() / self.current_gradient_accumulation_steps
             mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
+            mask = mask * ~expert[:, None]  # the monitor watches the policy's own samples
             # the sampling policy's log-prob: vLLM's when TRL has it, else the old policy's, else (one update
             # per generation, on-policy) the current one's, as TRL's own loss takes it
             old = inputs.get("sampling_per_token_logps")
@@ -325,10 +522,65 @@ class MonitoredGRPOTrainer(GRPOTrainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.model.training and not any(k.startswith("eval_") for k in logs):
-            stats = {**self.turns.reduce(), **self.sampled.reduce()}  # every rank calls log(): collectives are safe
+            # every rank calls log(): the collectives are safe here
+            stats = {**self.turns.reduce(), **self.sampled.reduce(), **self.supervision.reduce()}
             logs.update(stats)
             if self.monitor is not None and stats:
                 # the step the rollouts were sampled at, 0-based as in rl's metrics.jsonl (TRL's global_step
                 # counts the steps done); with logging_steps > 1, the last of the steps they span
-                self.control = self.monitor.observe(self.state.global_step - 1, stats, self.args, self.control)
+                step = self.monitor.step_offset + self.state.global_step - 1
+                self.control = self.monitor.observe(step, stats, self.args, self.control)
         super().log(logs, start_time)
+
+
+# ----------------------------------------------------------------------------- interleaved schedules
+
+
+def train_interleaved(make_grpo: Any, make_sft: Any, rounds: int, window: int,
+                      output_dir: str | Path | None = None) -> list[dict[str, Any]]:
+    """ETS with TRL's trainers: `rounds` times, a GRPO round (`make_grpo(round)`: a MonitoredGRPOTrainer on
+    the policy, its `args.max_steps` the round's steps, its dataset -- the round's part of the data, as a new
+    trainer starts its data order over -- with the reference column), then an SFT
+    phase (`make_sft(dataset)`: e.g. TRL's SFTTrainer on the same model object) on the ground truth of every
+    prompt with a reward <= 0 rollout, on any rank, in the round's last `window` steps -- the rule of ours
+    and of the paper's released code. The dataset is prompt/completion rows (train the completion only).
+
+    At a phase change, as in `toolcollapse rl`: each trainer brings a fresh optimizer (the moments of the
+    weights before a phase do not carry over); the monitor's callback, if the trainers share one, keeps its
+    rules and numbers the steps on across rounds. One difference: with beta > 0 TRL takes each round's KL
+    reference from the model it is given (the post-SFT one; ours keeps the initial model). A round stopped
+    by an alarm (`monitor.on_alarm: stop`) ends the schedule. Returns the phases' records, also written to
+    <output_dir>/phases.jsonl (default: the first GRPO trainer's output_dir)."""
+    from accelerate.utils import gather_object
+    from datasets import Dataset
+
+    phases: list[dict[str, Any]] = []
+    offset = 0
+    for round_ in range(rounds):
+        grpo = make_grpo(round_)
+        if grpo.monitor is not None:
+            grpo.monitor.step_offset = offset
+        output_dir = Path(output_dir or grpo.args.output_dir)
+        grpo.train()
+        steps = grpo.state.global_step
+        failed = gather_object([f for f in grpo.failures if f["step"] >= steps - window])
+        unique = list({json.dumps(f["prompt"], sort_keys=True, default=str): f for f in failed}.values())
+        stopped = steps < grpo.args.max_steps
+        offset += steps
+        record = {"step": offset, "round": round_, "phase": "ets", "tasks": len(unique)}
+        if unique and not stopped:
+            data = Dataset.from_list([{"prompt": f["prompt"], "completion": f["reference"]} for f in unique])
+            sft = make_sft(data)
+            sft.train()
+            tokenizer = sft.processing_class
+            epochs = sft.args.num_train_epochs if sft.args.max_steps <= 0 else None
+            record["phase/tokens"] = (sum(len(tokenizer(f["reference"], add_special_tokens=False)["input_ids"])
+                                          for f in unique) * epochs) if epochs else None
+            record["phase/steps"] = sft.state.global_step
+            record["phase/loss"] = next((h["train_loss"] for h in reversed(sft.state.log_history)
+                                         if "train_loss" in h), None)
+        phases.append(record)
+        _append(str(output_dir), "phases.jsonl", record)
+        if stopped:
+            break
+    return phases
