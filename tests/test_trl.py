@@ -4,6 +4,7 @@ acted on by every rank alike. Skipped where TRL is absent."""
 
 import json
 import subprocess
+from collections import Counter
 import sys
 from pathlib import Path
 
@@ -269,3 +270,20 @@ def test_ops_puts_the_reference_in_one_row_of_each_group_and_shapes_its_loss(tmp
         logp, _ = policy_logprobs(model.eval(), PolicyBatch(ids, sampled, torch.zeros(ids.shape), torch.zeros(len(rows))))
     advantages = torch.cat([x["advantages"][expert][i].expand(int(sampled[i].sum())) for i in range(len(rows))])
     assert first_log["sup/expert_luffy_loss"] == pytest.approx(luffy_loss(logp, advantages, 0.1).mean().item(), abs=1e-5)
+
+
+@pytest.mark.slow
+def test_hbg_samples_hinted_rows_with_the_hint_and_trains_them_on_the_plain_prompt(tmp_path, answering_checkpoint):
+    from transformers import AutoTokenizer
+
+    (end,) = _drive(answering_checkpoint, tmp_path, "--steps", "1", "--hbg", "1")
+    tokenizer = AutoTokenizer.from_pretrained(answering_checkpoint)
+    sampled_from = [tokenizer.decode(ids) for ids in torch.load(tmp_path / "rank0" / "sampled_from_0.pt")]
+    hinted = ["Hint:" in text for text in sampled_from]
+    assert hinted == [False, False, False, True] * 2  # rows 4k + 3: one of each group of 4
+    x = torch.load(tmp_path / "rank0" / "first.pt")["inputs"]
+    trained_on = [tokenizer.decode(p[m.bool()]) for p, m in zip(x["prompt_ids"], x["prompt_mask"])]
+    assert not any("Hint:" in text for text in trained_on)  # every row trains on the plain prompt
+    plain = {t for t, h in zip(sampled_from, hinted) if not h}
+    assert Counter(trained_on) == {t: 4 for t in plain} and len(plain) == 2  # each group's 4 rows: its plain prompt
+    assert end["log_history"][0]["sup/hinted_rows"] == 2

@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--unlikelihood-coef", type=float, default=0.0)
     ap.add_argument("--ops", type=int, default=0)
     ap.add_argument("--ops-shaping", default="luffy")
+    ap.add_argument("--hbg", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=0)  # > 0: ETS, rounds of --steps GRPO steps, then SFT phases
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -45,6 +46,8 @@ def main() -> None:
     from toolcollapse.envs import make_env
     from toolcollapse.integrations.trl import ControlTokenCallback, MonitoredGRPOTrainer
     from toolcollapse.model import load_model
+    from toolcollapse.records import Message
+    from toolcollapse.supervision import hint
 
     cfg = load_config("configs/tiny_rl.yaml", ["world.n_train=2000", "world.n_test=200", "world.n_ood=150",
                                                "world.seed=0", "monitor.probe_size=4", "monitor.probe_every=1",
@@ -55,7 +58,9 @@ def main() -> None:
     # the ground truth's first turn, as the policy would write it after the prompt
     references = [render_text([t.prompt[-1], t.reference[0]]).removeprefix(p).removesuffix("\n")
                   for t, p in zip(tasks, prompts)]
-    data = Dataset.from_dict({"prompt": prompts, "reference": references})
+    # HBG: the plan hint (the tools to call, in order) as a system message before the question
+    hinted = [render_text([Message("system", hint(t, "plan")), t.prompt[-1]], add_generation_prompt=True) for t in tasks]
+    data = Dataset.from_dict({"prompt": prompts, "reference": references, "hinted_prompt": hinted})
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
 
     def length(completions: list[str], **_: object) -> list[float]:  # any reward whose groups differ moves the weights
@@ -84,6 +89,10 @@ def main() -> None:
                            mine / "first.pt")
             return super()._compute_loss(model, inputs)
 
+        def _generate_single_turn(self, prompt_ids, *rest, **kwargs):  # what generation was conditioned on
+            torch.save(prompt_ids, mine / f"sampled_from_{self.state.global_step}.pt")
+            return super()._generate_single_turn(prompt_ids, *rest, **kwargs)
+
         def _generate_and_score_completions(self, inputs):
             out = super()._generate_and_score_completions(inputs)
             torch.save({k: out[k].cpu() for k in ("completion_ids", "completion_mask")},
@@ -101,7 +110,7 @@ def main() -> None:
         part = data.select(range(round_ * 16, (round_ + 1) * 16)) if args.rounds else data
         return Recording(model=model, reward_funcs=length, args=config, train_dataset=part, processing_class=tokenizer,
                          monitor=monitor, sft_coef=args.sft_coef, unlikelihood_coef=args.unlikelihood_coef,
-                         ops=args.ops, ops_shaping=args.ops_shaping)
+                         ops=args.ops, ops_shaping=args.ops_shaping, hbg=args.hbg)
 
     if args.rounds:
         from trl import SFTConfig, SFTTrainer

@@ -31,6 +31,10 @@ toolcollapse brings its monitor:
   functions, the advantages over the mixed group; `ops_shaping: none` trains them with TRL's clipped
   surrogate (the released scripts), `luffy` with -A * p / (p + 0.1) instead (LUFFY's shaping, the paper's
   text). Expert rows stay out of `ctrl/*`, the four states and the failures ETS collects. Text prompts only.
+- HBG: `hbg` rows of each group (before the expert rows) sample from the dataset's `hinted_prompt` column
+  (e.g. `supervision.hint` appended to the system message) and train on the plain prompt: their prompt ids
+  are the plain ones, so TRL's old log-probs, where it computes them, are the hint-free ones (first ratio
+  1). Hinted rows stay out of the four states and ETS's failures, as in `rl`.
 - It also sorts every sampled turn into the four states with toolcollapse's parser (`state/*`,
   `error/*`, `healthy_rate`, summed over ranks), so a collapse shows in the same series as in `rl`.
 
@@ -218,7 +222,7 @@ class Supervision:
     log (summed over ranks at `reduce`)."""
 
     KEYS = ("sft_nll_sum", "sft_tokens", "unlikelihood_sum", "unlikely_tokens", "expert_rows", "expert_loss_sum",
-            "expert_tokens")
+            "expert_tokens", "hinted_rows")
 
     def __init__(self, sft_coef: float, unlikelihood_coef: float, reference_column: str):
         if sft_coef < 0 or unlikelihood_coef < 0:
@@ -244,6 +248,8 @@ class Supervision:
             out["sup/unlikely_tokens"] = counts["unlikely_tokens"]
             if counts["unlikely_tokens"]:
                 out["sup/unlikelihood"] = counts["unlikelihood_sum"] / counts["unlikely_tokens"]
+        if counts["hinted_rows"]:
+            out["sup/hinted_rows"] = counts["hinted_rows"]
         if counts["expert_rows"]:
             out["sup/expert_rows"] = counts["expert_rows"]
             if counts["expert_tokens"]:
@@ -357,7 +363,8 @@ class MonitoredGRPOTrainer(GRPOTrainer):
     def __init__(self, *args: Any, monitor: ControlTokenCallback | None = None,
                  control_tokens: tuple[str, ...] | None = None, tools: Mapping[str, Any] | None = None,
                  sft_coef: float = 0.0, unlikelihood_coef: float = 0.0, reference_column: str = "reference",
-                 ops: int = 0, ops_shaping: str = "luffy", luffy_gamma: float = 0.1, **kwargs: Any):
+                 ops: int = 0, ops_shaping: str = "luffy", luffy_gamma: float = 0.1, hbg: int = 0,
+                 hint_column: str = "hinted_prompt", **kwargs: Any):
         """`tools`: name -> ToolSpec of the tools the policy may call (None: unknown tools and bad arguments
         are not checked, only the format). `sft_coef` > 0 needs a text `reference_column` in the training
         dataset: the ground-truth completion of the row's prompt, in the chat format the policy writes."""
@@ -369,16 +376,21 @@ class MonitoredGRPOTrainer(GRPOTrainer):
         self.failures: list[dict[str, Any]] = []  # this rank's rollouts with reward <= 0: step, prompt, reference
         if ops_shaping not in ("luffy", "none"):
             raise ValueError(f"ops_shaping {ops_shaping!r}: luffy or none")
-        if not 0 <= ops < self.num_generations:
-            raise ValueError(f"ops={ops}: 0 (off) up to num_generations - 1 ({self.num_generations - 1}) rows a group")
+        if ops < 0 or hbg < 0 or ops + hbg >= self.num_generations:
+            raise ValueError(f"ops={ops}, hbg={hbg}: a group of num_generations={self.num_generations} keeps at least "
+                             "one row of the policy's own")
+        if hbg and hint_column not in (self.train_dataset.column_names or ()):
+            raise ValueError(f"hbg needs the training dataset's {hint_column!r} column (each prompt with its hint); "
+                             f"it has {self.train_dataset.column_names}")
         if ops and self.use_vllm:
             raise ValueError("ops with use_vllm: the expert rows have no vLLM sampling log-probs; not supported yet")
         if (sft_coef > 0 or ops) and reference_column not in (self.train_dataset.column_names or ()):
             raise ValueError(f"sft_coef and ops need the training dataset's {reference_column!r} column (the "
                              f"ground-truth completion of each prompt); it has {self.train_dataset.column_names}")
         self.ops, self.ops_shaping, self.luffy_gamma = ops, ops_shaping, luffy_gamma
+        self.hbg, self.hint_column = hbg, hint_column
         self._inputs: list[dict[str, Any]] = []  # the generation batch's rows, for `_generate`
-        self._expert = torch.zeros(0, dtype=torch.bool)
+        self._expert = self._hinted = torch.zeros(0, dtype=torch.bool)
         self.monitor = monitor.attach(self) if monitor else None
         self._captured: tuple[torch.Tensor, torch.Tensor] | None = None
         self._capture = False
@@ -390,14 +402,21 @@ class MonitoredGRPOTrainer(GRPOTrainer):
         return out
 
     def _generate(self, prompts: list) -> tuple:
-        out = super()._generate(prompts)
-        if not (self.ops and self.model.training):
-            return out
-        prompt_ids, completion_ids, tool_mask, completions, logprobs, *rest = out
-        if any(not isinstance(c, str) for c in completions):
-            raise ValueError("ops: conversational prompts are not supported yet; give text prompts")
+        """TRL's generation, with a group's last `ops` rows the reference (OPS) and the `hbg` rows before them
+        sampled from their hinted prompt (HBG). A group is G contiguous rows of the global batch."""
+        if not ((self.ops or self.hbg) and self.model.training):
+            return super()._generate(prompts)
+        if any(not isinstance(p, str) for p in prompts):
+            raise ValueError("ops and hbg: conversational prompts are not supported yet; give text prompts")
         g, first = self.num_generations, self.accelerator.process_index * len(prompts)
-        self._expert = torch.tensor([(first + i) % g >= g - self.ops for i in range(len(prompts))])
+        place = [(first + i) % g for i in range(len(prompts))]
+        self._expert = torch.tensor([j >= g - self.ops for j in place])
+        self._hinted = torch.tensor([g - self.ops - self.hbg <= j < g - self.ops for j in place])
+        sampled_from = [self._inputs[i][self.hint_column] if h else p
+                        for i, (p, h) in enumerate(zip(prompts, self._hinted.tolist()))]
+        prompt_ids, completion_ids, tool_mask, completions, logprobs, *rest = super()._generate(sampled_from)
+        for i in self._hinted.nonzero().flatten().tolist():  # trained on the plain prompt
+            prompt_ids[i] = self._tokenize_prompts([prompts[i]])[0][0]
         for i in self._expert.nonzero().flatten().tolist():
             reference = self._inputs[i][self.supervision.column]
             ids = self.processing_class(reference, add_special_tokens=False)["input_ids"]
@@ -410,14 +429,16 @@ class MonitoredGRPOTrainer(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
         self._inputs = inputs
-        self._expert = torch.zeros(len(inputs), dtype=torch.bool)
+        self._expert = self._hinted = torch.zeros(len(inputs), dtype=torch.bool)
         out = super()._generate_and_score_completions(inputs)
         if not self.model.training:
             return out
         mask = out["completion_mask"] * out["tool_mask"] if "tool_mask" in out else out["completion_mask"]
         out["expert"] = self._expert.to(mask.device)
         self.supervision.count("expert_rows", float(self._expert.sum()))
-        self.turns.add(out["completion_ids"][~out["expert"]], mask[~out["expert"]])
+        self.supervision.count("hinted_rows", float(self._hinted.sum()))
+        own = ~(out["expert"] | self._hinted.to(mask.device))  # the policy's own samples
+        self.turns.add(out["completion_ids"][own], mask[own])
         if self.supervision.unlikelihood_coef > 0:
             out["unlikely"] = rejected_controls(out["completion_ids"], mask, self.turns.id_to_tag)
         if self.supervision.sft_coef > 0:
@@ -433,7 +454,8 @@ class MonitoredGRPOTrainer(GRPOTrainer):
             rewards = (local * self.reward_weights.to(local.device).unsqueeze(0)).nansum(dim=1)
             self.failures += [{"step": self.state.global_step, "prompt": x["prompt"],
                                "reference": x[self.supervision.column]}
-                              for x, r, e in zip(inputs, rewards.tolist(), self._expert.tolist()) if r <= 0 and not e]
+                              for x, r, e in zip(inputs, rewards.tolist(), (self._expert | self._hinted).tolist())
+                              if r <= 0 and not e]
         return rewards_per_func
 
     def _references(self, inputs: list[dict[str, Any]], out: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
