@@ -287,3 +287,67 @@ def test_hbg_samples_hinted_rows_with_the_hint_and_trains_them_on_the_plain_prom
     plain = {t for t, h in zip(sampled_from, hinted) if not h}
     assert Counter(trained_on) == {t: 4 for t in plain} and len(plain) == 2  # each group's 4 rows: its plain prompt
     assert end["log_history"][0]["sup/hinted_rows"] == 2
+
+
+def test_the_tool_world_as_a_trl_environment_runs_the_real_tools_with_the_schemas_we_document():
+    from transformers.utils import get_json_schema
+
+    from toolcollapse.config import load_config
+    from toolcollapse.integrations.trl import tool_world_dataset, tool_world_environment, tool_world_reward
+
+    cfg = load_config("configs/tiny_rl.yaml", ["world.n_train=50", "world.n_test=10", "world.n_ood=10"])
+    env = tool_world_environment(cfg)()
+    world = env.world
+    assert len(world.tool_table) == 9
+    for spec in world.tool_table.values():  # what TRL's chat template renders, from the method alone
+        schema = get_json_schema(getattr(env, spec.name))["function"]
+        assert schema["name"] == spec.name and schema["description"] == spec.description
+        assert set(schema["parameters"]["properties"]) == set(spec.parameters["properties"])
+        assert schema["parameters"].get("required", []) == spec.parameters.get("required", [])
+        for name, prop in spec.parameters["properties"].items():
+            assert schema["parameters"]["properties"][name]["type"] == prop["type"]
+            assert schema["parameters"]["properties"][name].get("enum") == prop.get("enum")
+    for split in ("train", "ood_facts"):  # a counterfactual task's tools answer from its own facts
+        row = tool_world_dataset(cfg, split, 1)[0]
+        task = world.tasks(split)[0]
+        assert env.reset(**row) is None and env.task is task
+        call = next(m.tool_call for m in task.reference if m.tool_call is not None)
+        assert getattr(env, call.name)(**call.arguments) == world.run_call(call, task.meta.get("facts", "real"))
+        assert env.calls == [(call.name, call.arguments)]
+        right = [{"role": "assistant", "content": f"The answer is {task.answer}."}]
+        assert tool_world_reward([right, [{"role": "assistant", "content": "The answer is 0."}]], [env, env]) == [1, 0]
+    assert getattr(env, "kb_lookup")(entity="Nowhere", attribute="area_km2").startswith('{"error"')
+    with pytest.raises(KeyError, match="not a task of this tool world"):
+        env.reset(task_id="train-99999")
+
+
+@pytest.mark.slow
+def test_trl_s_own_tool_loop_trains_on_the_tool_world_environment(tmp_path, answering_checkpoint):
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    from toolcollapse.config import load_config
+    from toolcollapse.integrations.trl import (MonitoredGRPOTrainer, tool_world_dataset, tool_world_environment,
+                                               tool_world_reward)
+    from toolcollapse.model import load_model
+
+    cfg = load_config("configs/tiny_rl.yaml", ["world.n_train=2000", "world.n_test=200", "world.n_ood=150"])
+    tokenizer = AutoTokenizer.from_pretrained(answering_checkpoint)
+    tokenizer.chat_template = qwen2_5_chat_template  # one TRL's tool loop knows; the same ChatML tags as ours
+    data = tool_world_dataset(cfg, "train", 8)
+    factory = tool_world_environment(cfg)
+    env = factory()
+    rendered = tokenizer.apply_chat_template(data[0]["prompt"], tools=[getattr(env, n) for n in env.world.tool_table],
+                                             tokenize=False, add_generation_prompt=True)
+    assert all(f'"name": "{n}"' in rendered for n in env.world.tool_table)
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, gradient_checkpointing=False,
+                      per_device_train_batch_size=4, num_generations=4, max_completion_length=16, max_steps=1,
+                      logging_steps=1, report_to="none", save_strategy="no", seed=0, beta=0.0)
+    trainer = MonitoredGRPOTrainer(model=load_model(answering_checkpoint), reward_funcs=tool_world_reward, args=args,
+                                   train_dataset=data, processing_class=tokenizer, environment_factory=factory)
+    trainer.train()
+    log = trainer.state.log_history[0]
+    assert "tools/call_frequency" in log and "rewards/tool_world_reward/mean" in log
+    assert sum(log[f"state/{s}"] for s in ("healthy_call", "healthy_response", "text_pollution",
+                                            "full_collapse")) == pytest.approx(1.0)

@@ -38,6 +38,10 @@ toolcollapse brings its monitor:
 - It also sorts every sampled turn into the four states with toolcollapse's parser (`state/*`,
   `error/*`, `healthy_rate`, summed over ranks), so a collapse shows in the same series as in `rl`.
 
+- `tool_world_environment` and `tool_world_dataset`: the tool world for TRL's own multi-turn tool loop
+  (`environment_factory`): one method per tool, its signature and docstring from the tool's JSON schema,
+  each call run by the world's sandboxed tools; `tool_world_reward` checks the final answer.
+
 The series keep the names `rl` gives them, and the output directory holds `monitor.jsonl` (the series,
 each row with its step) and `monitor.yaml` (the monitor's config): `toolcollapse diagnose OUTPUT_DIR`
 reads a monitored TRL run as it reads one of ours.
@@ -606,3 +610,100 @@ def train_interleaved(make_grpo: Any, make_sft: Any, rounds: int, window: int,
         if stopped:
             break
     return phases
+
+
+# ----------------------------------------------------------------------------- the tool world as a TRL environment
+
+_JSON_TYPES = {"string": str, "number": float, "integer": int, "boolean": bool, "array": list, "object": dict}
+
+
+def _tool_method(spec: Any) -> Any:
+    """A method `name(self, **arguments) -> str` whose signature, type hints and Google-style docstring say what
+    `spec.parameters` (JSON schema) says, so `transformers.utils.get_json_schema` renders the same tool."""
+    import inspect
+
+    props, required = spec.parameters.get("properties", {}), set(spec.parameters.get("required", ()))
+
+    def method(self: Any, **arguments: Any) -> str:
+        return self._call(spec.name, arguments)
+
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    annotations: dict[str, Any] = {"return": str}
+    lines = []
+    for name, schema in props.items():
+        kind = _JSON_TYPES.get(schema.get("type", "string"), str)
+        optional = name not in required
+        annotations[name] = kind | None if optional else kind
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotations[name],
+                                        default=None if optional else inspect.Parameter.empty))
+        doc = schema.get("description") or name.replace("_", " ")
+        lines.append(f"    {name}: {doc}" + (f" (choices: {json.dumps(schema['enum'])})" if "enum" in schema else ""))
+    method.__name__ = method.__qualname__ = spec.name
+    method.__signature__ = inspect.Signature(params, return_annotation=str)
+    method.__annotations__ = annotations
+    method.__doc__ = (f"{spec.description}\n\n" + ("Args:\n" + "\n".join(lines) + "\n\n" if lines else "")
+                      + "Returns:\n    The tool's result, as JSON.")
+    return method
+
+
+def tool_world_environment(cfg: RunConfig) -> Any:
+    """A factory of environments for TRL's `environment_factory`, on the tool world of `cfg` (its world and
+    tools sections): `reset(task_id=...)` starts a task of the dataset row (`tool_world_dataset`), one method
+    per tool runs a call in the world's sandbox, with the task's facts (`ood_facts`: the counterfactual
+    world). Every instance shares one world (its tool process, its tasks)."""
+    from toolcollapse.envs import make_env
+
+    world = make_env(cfg)
+    if getattr(world, "name", "") != "toolworld":
+        raise ValueError(f"tool_world_environment needs env: toolworld, not {cfg.env!r}")
+    tasks: dict[str, Any] = {}
+
+    def task(task_id: str) -> Any:
+        split = task_id.rsplit("-", 1)[0]  # ids are <split>-<index>
+        if task_id not in tasks and split in world.splits:
+            tasks.update({t.id: t for t in world.tasks(split)})
+        if task_id not in tasks:
+            raise KeyError(f"task {task_id!r} is not a task of this tool world (world.seed {cfg.world.seed})")
+        return tasks[task_id]
+
+    def reset(self: Any, task_id: str, **row: Any) -> None:
+        self.task, self.calls = task(task_id), []
+        return None  # the question is the dataset row's prompt
+
+    def _call(self: Any, name: str, arguments: dict[str, Any]) -> str:  # private: TRL offers public methods as tools
+        from toolcollapse.records import ToolCall
+
+        arguments = {k: v for k, v in arguments.items() if v is not None}  # optional arguments not given
+        self.calls.append((name, arguments))
+        return world.run_call(ToolCall(name, arguments), self.task.meta.get("facts", "real"))
+
+    methods = {spec.name: _tool_method(spec) for spec in world.tool_table.values()}
+    cls = type("ToolWorldEnvironment", (), {"reset": reset, "_call": _call, "world": world, "task": None, **methods,
+                                           "__doc__": "The tool world, one task at a time (toolcollapse)."})
+    return cls
+
+
+def tool_world_dataset(cfg: RunConfig, split: str = "train", n: int | None = None) -> Any:
+    """The split's tasks as TRL rows: `prompt` (the question, a user message: TRL's chat template renders the
+    tools), `task_id` (what the environment's `reset` gets) and `answer`."""
+    from datasets import Dataset
+
+    from toolcollapse.envs import make_env
+
+    tasks = make_env(cfg).tasks(split)[:n]
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": t.prompt[-1].content}], "task_id": t.id,
+                               "answer": t.answer} for t in tasks])
+
+
+def tool_world_reward(completions: list[Any], environments: list[Any] | None = None, **_: Any) -> list[float]:
+    """1 when the completion's last assistant message states the task's answer (`answer_matches`), else 0."""
+    from toolcollapse.envs.toolworld import answer_matches
+
+    if environments is None:
+        raise ValueError("tool_world_reward needs the environments: train with environment_factory")
+    out = []
+    for completion, env in zip(completions, environments):
+        messages = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
+        last = next((m.get("content") or "" for m in reversed(messages) if m.get("role") == "assistant"), "")
+        out.append(float(env.task is not None and answer_matches(last, env.task.answer)))
+    return out
