@@ -1,7 +1,7 @@
-"""toolcollapse's monitor inside TRL's GRPOTrainer (`pip install 'toolcollapse[trl]'`; TRL 1.16).
+"""toolcollapse inside TRL's GRPOTrainer (`pip install 'toolcollapse[trl]'`; TRL 1.16).
 
 Users who train on many GPUs with TRL on `accelerate` (DDP, DeepSpeed ZeRO, FSDP) keep their trainer;
-toolcollapse brings its monitor:
+toolcollapse brings its monitor, its diagnosis and its supervision signals:
 
 - `ControlTokenCallback` teacher-forces the probe set (oracle conversations, `monitor.build_probe`)
   every `monitor.probe_every` steps before the update, as `rl` does, logs its `probe/*` series, feeds
@@ -13,34 +13,34 @@ toolcollapse brings its monitor:
   `monitor.sampled_control_stats`) from TRL's own per-token log-probs and entropies -- no second forward.
   TRL's `log()` averages each metric's list over the micro-batches and steps since the last log, which
   would turn a maximum into a mean of maxima; here the sampled tokens of every micro-batch since the last
-  log are kept, gathered across ranks at the log, and reduced once over the whole batch.
+  log are kept, gathered across ranks at the log, and reduced once over the whole batch. It also sorts
+  every sampled turn into the four states with our parser (`state/*`, `error/*`, `healthy_rate`, counts
+  summed over ranks), so a collapse shows in the same series as in `rl`.
+- Supervision, in the same trainer (the dataset's `reference` column: each prompt's ground-truth
+  completion, as text in the chat format the policy writes):
+  - the synchronous SFT term, `sft_coef` * token-mean NLL of the reference of each prompt of the batch,
+    once per prompt, and unlikelihood, `unlikelihood_coef` * -log(1 - p) at the first control token the
+    grammar rejects in each sampled turn (`parser.first_rejected_control`), from TRL's own log-probs; both
+    in `compute_loss`, scaled for gradient accumulation as TRL's own auxiliary loss; `sup/*` logs them,
+    SFT tokens included, so a gain can be told apart from more SFT;
+  - OPS: the last `ops` rows of each group of G are the reference instead of a sample (TRL's groups are
+    contiguous blocks of G; `_generate` is where they are filled), rewarded by the same reward functions,
+    the advantages over the mixed group; `ops_shaping="none"` trains them with TRL's clipped surrogate
+    (the released scripts), `"luffy"` with -A * p / (p + 0.1) instead (LUFFY's shaping, the paper's text);
+  - HBG: the `hbg` rows before them sample from the dataset's `hinted_prompt` column (e.g.
+    `supervision.hint` in a system message) and train on the plain prompt: their prompt ids are the plain
+    ones, so TRL's old log-probs, where it computes them, are the hint-free ones (first ratio 1);
+  - expert and hinted rows stay out of `ctrl/*` (expert), the four states and the failures ETS collects;
+    OPS and HBG take text prompts.
+- `train_interleaved`: ETS with TRL's own trainers, GRPO rounds and `SFTTrainer` phases on the same model.
+- `tool_world_environment`, `tool_world_dataset`, `tool_world_reward`: the tool world for TRL's own
+  multi-turn tool loop (`environment_factory`): one method per tool, its signature and docstring from the
+  tool's JSON schema, each call run by the world's sandboxed tools.
 
     trainer = MonitoredGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...,
                                    processing_class=tokenizer,
                                    monitor=ControlTokenCallback.for_tool_world(run_config, tokenizer))
-    trainer.train()    # logs ctrl/* and probe/*; alarms in <output_dir>/alarms.jsonl
-
-- Two supervision terms go into the loss (`compute_loss`, scaled for gradient accumulation as TRL's own
-  auxiliary loss): the synchronous SFT term, `sft_coef` * token-mean NLL of the ground-truth completion
-  (the dataset's `reference` column) of each prompt of the batch, once per prompt, and unlikelihood,
-  `unlikelihood_coef` * -log(1 - p) at the first control token the grammar rejects in each sampled turn
-  (`parser.first_rejected_control`), from TRL's own per-token log-probs. `sup/*` logs them, SFT tokens
-  included, so a gain can be told apart from more SFT.
-- OPS: `ops` rows of each group of G are the prompt's ground-truth completion instead of a sample (TRL's
-  groups are contiguous blocks of G; `_generate` is where they are filled), rewarded by the same reward
-  functions, the advantages over the mixed group; `ops_shaping: none` trains them with TRL's clipped
-  surrogate (the released scripts), `luffy` with -A * p / (p + 0.1) instead (LUFFY's shaping, the paper's
-  text). Expert rows stay out of `ctrl/*`, the four states and the failures ETS collects. Text prompts only.
-- HBG: `hbg` rows of each group (before the expert rows) sample from the dataset's `hinted_prompt` column
-  (e.g. `supervision.hint` appended to the system message) and train on the plain prompt: their prompt ids
-  are the plain ones, so TRL's old log-probs, where it computes them, are the hint-free ones (first ratio
-  1). Hinted rows stay out of the four states and ETS's failures, as in `rl`.
-- It also sorts every sampled turn into the four states with toolcollapse's parser (`state/*`,
-  `error/*`, `healthy_rate`, summed over ranks), so a collapse shows in the same series as in `rl`.
-
-- `tool_world_environment` and `tool_world_dataset`: the tool world for TRL's own multi-turn tool loop
-  (`environment_factory`): one method per tool, its signature and docstring from the tool's JSON schema,
-  each call run by the world's sandboxed tools; `tool_world_reward` checks the final answer.
+    trainer.train()    # logs ctrl/*, probe/*, state/*; alarms in <output_dir>/alarms.jsonl
 
 The series keep the names `rl` gives them, and the output directory holds `monitor.jsonl` (the series,
 each row with its step) and `monitor.yaml` (the monitor's config): `toolcollapse diagnose OUTPUT_DIR`
