@@ -1,3 +1,7 @@
+import os
+import signal
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -138,3 +142,31 @@ def test_an_sft_only_control_waits_for_the_run_it_matches_and_bad_matches_are_re
              "b": {"supervision.sft_only.match": str(out / "c" / "seed{seed}")}, "c": {}}
     with pytest.raises(ConfigError, match="matches a run that trains, not another control"):
         load_sweep(_sweep_file(tmp_path, settings=chain))
+
+
+def test_a_match_written_as_a_relative_path_is_the_same_run(tmp_path):
+    from toolcollapse.sweep import run_after
+
+    relative = os.path.relpath(tmp_path / "study" / "ets", Path.cwd())  # out_dir is absolute; the match is not
+    path = _sweep_file(tmp_path, settings={"only": {"supervision.sft_only.match": relative + "/seed{seed}"},
+                                           "ets": {"supervision.ets.enabled": True}})
+    _, specs = load_sweep(path)
+    out = tmp_path / "study"
+    assert run_after(specs) == {out / "only" / f"seed{k}": out / "ets" / f"seed{k}" for k in (0, 1)}
+
+
+def test_a_worker_killed_outright_stops_the_sweep_instead_of_hanging(tmp_path, monkeypatch):
+    """The OOM killer sends SIGKILL: no exception reaches a multiprocessing.Pool callback, and a sweep
+    waiting on one would wait forever; the executor's broken pool raises."""
+    import concurrent.futures
+
+    import toolcollapse.sweep as sweep_module
+
+    sweep, specs = load_sweep(_sweep_file(tmp_path, seeds=[0]))
+    monkeypatch.setattr(sweep_module, "_run_one", _die)  # spawn pickles the function by name: use a module-level one
+    with pytest.raises(concurrent.futures.process.BrokenProcessPool):
+        sweep_module.run_sweep(sweep, specs[:1])
+
+
+def _die(job):
+    os.kill(os.getpid(), signal.SIGKILL)

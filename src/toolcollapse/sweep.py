@@ -21,8 +21,8 @@ import json
 import math
 import multiprocessing as mp
 import os
-import queue
 import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -180,13 +180,13 @@ def eval_config(sweep: SweepConfig, split: str | None = None) -> RunConfig:
 def run_after(specs: list[RunSpec]) -> dict[Path, Path]:
     """{run dir: the run dir of this grid it must wait for}: an `sft_only` control whose `match` is a run of
     the same grid starts once that run has finished (it spends as many SFT tokens as that run did)."""
-    dirs = {os.path.normpath(s.run_dir): s.run_dir for s in specs}
+    dirs = {Path(s.run_dir).resolve(): s.run_dir for s in specs}  # a match may be written relative or absolute
     after = {}
     for spec in specs:
         match = spec.cfg.supervision.sft_only.match
         if match is None:
             continue
-        target = dirs.get(os.path.normpath(match.replace("{seed}", str(spec.seed))))
+        target = dirs.get(Path(match.replace("{seed}", str(spec.seed))).resolve())
         if target == spec.run_dir:
             raise ConfigError(f"settings.{spec.setting}: supervision.sft_only.match names the run itself")
         if target is not None:
@@ -213,23 +213,24 @@ def run_sweep(sweep: SweepConfig, specs: list[RunSpec], on_done: Callable[[str],
         return [s.run_dir for s in specs]
     after = run_after(specs)
     waiting = [job for job in jobs if job[0] is not None and job[0].run_dir in after]
-    finished: queue.SimpleQueue = queue.SimpleQueue()
-    ctx = mp.get_context("spawn")  # fresh interpreters: torch threads and RNG state do not leak across runs
-    with ctx.Pool(sweep.workers, maxtasksperchild=1) as pool:
-        def submit(job: tuple) -> None:
-            pool.apply_async(_run_one, (job,), callback=finished.put, error_callback=finished.put)
-
-        for job in jobs:
-            if job not in waiting:
-                submit(job)
-        for _ in jobs:
-            done = finished.get()
-            if isinstance(done, BaseException):
-                raise done
-            report(done)
-            for job in [j for j in waiting if str(after[j[0].run_dir]) == done]:
-                waiting.remove(job)
-                submit(job)
+    # fresh interpreters (spawn, one run each): torch threads and RNG state do not leak across runs; a worker
+    # killed outright (the OOM killer) breaks the pool, which raises here instead of waiting for it forever
+    with ProcessPoolExecutor(sweep.workers, mp_context=mp.get_context("spawn"), max_tasks_per_child=1) as pool:
+        pending = {pool.submit(_run_one, job) for job in jobs if job not in waiting}
+        try:
+            while pending:
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for future in done:
+                    finished = future.result()  # a run's error (or BrokenProcessPool) stops the sweep
+                    report(finished)
+                    for job in [j for j in waiting if str(after[j[0].run_dir]) == finished]:
+                        waiting.remove(job)
+                        pending.add(pool.submit(_run_one, job))
+        except BaseException:  # the runs in flight stop too (re-running the sweep resumes them)
+            pool.shutdown(wait=False, cancel_futures=True)
+            for process in list((getattr(pool, "_processes", None) or {}).values()):
+                process.terminate()
+            raise
     return [s.run_dir for s in specs]
 
 
@@ -242,10 +243,19 @@ def _run_on_ray(jobs: list[tuple], sweep: SweepConfig, report: Callable[[str], N
     if not ray.is_initialized():
         ray.init(address=sweep.ray_address, include_dashboard=False, log_to_driver=not quiet)
     # no retries: a run that fails says so (re-running the sweep resumes it from its last checkpoint)
+    # a run on a GPU asks Ray for one (Ray hides the GPUs from tasks that did not): device cuda, or auto on a
+    # cluster that has GPUs
+    gpus = ray.cluster_resources().get("GPU", 0) > 0
     task = ray.remote(num_cpus=sweep.threads_per_worker, max_calls=1, max_retries=0)(_run_one)
+    on_gpu = task.options(num_gpus=1)
+
+    def submit(job: tuple) -> Any:
+        device = job[0].cfg.device if job[0] is not None else eval_config(sweep).device
+        return (on_gpu if device == "cuda" or (device == "auto" and gpus) else task).remote(job)
+
     after = run_after([job[0] for job in jobs if job[0] is not None])
     waiting = [job for job in jobs if job[0] is not None and job[0].run_dir in after]
-    pending = [task.remote(job) for job in jobs if job not in waiting]
+    pending = [submit(job) for job in jobs if job not in waiting]
     try:
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
@@ -253,7 +263,7 @@ def _run_on_ray(jobs: list[tuple], sweep: SweepConfig, report: Callable[[str], N
             report(done)
             for job in [j for j in waiting if str(after[j[0].run_dir]) == done]:
                 waiting.remove(job)
-                pending.append(task.remote(job))
+                pending.append(submit(job))
     finally:
         for ref in pending:  # after a failure, the runs not finished yet stop too
             ray.cancel(ref, force=True)

@@ -321,10 +321,19 @@ class ControlTokenCallback(TrainerCallback):
     def _run_probe(self, model: Any) -> dict[str, float]:
         if self.trainer is None:
             return run_probe(model, self.probe, self.token_ids, self.temperature)
+        import contextlib
+
         from trl.models.utils import unwrap_model_for_generation
 
-        # every rank enters (ZeRO-3 gathers the shards collectively), each computes; rank 0's values count
-        with unwrap_model_for_generation(self.trainer.model_wrapped, self.trainer.accelerator) as unwrapped:
+        # every rank enters (ZeRO-3 and FSDP gather the shards collectively), each computes; rank 0's values
+        # count. The same context as TRL's own generation (grpo_trainer.py, transformers generation path)
+        t, args = self.trainer, self.trainer.args
+        dist = getattr(t, "_dist", None)
+        with (unwrap_model_for_generation(t.model_wrapped, t.accelerator,
+                                          gather_deepspeed3_params=args.ds3_gather_for_generation,
+                                          gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
+              as unwrapped,
+              dist.summon_full_params(t.model_wrapped, recurse=False) if dist else contextlib.nullcontext()):
             return run_probe(unwrapped, self.probe, self.token_ids, self.temperature)
 
     # -- alarms ----------------------------------------------------------------------------------------
@@ -447,7 +456,16 @@ class MonitoredGRPOTrainer(GRPOTrainer):
             out["unlikely"] = rejected_controls(out["completion_ids"], mask, self.turns.id_to_tag)
         if self.supervision.sft_coef > 0:
             out["sft_ids"], out["sft_mask"] = self._references(inputs, out)
+            # the SFT tokens of the whole generation batch, every rank's (a scalar: TRL's split keeps it whole)
+            out["sft_tokens_in_batch"] = self.accelerator.gather((out["sft_mask"] == 2).sum()).sum()
         return out
+
+    def _window(self, total: torch.Tensor) -> torch.Tensor:
+        """What a sum over one micro-batch's tokens is divided by, so that the terms of one optimizer step add
+        up to a mean over its tokens on every rank: `total` (the generation batch's count, all ranks) over
+        the ranks and the micro-batches per step -- TRL's own normaliser for `loss_type` dapo."""
+        return (total.clamp(min=1.0) / self.accelerator.num_processes
+                * self.current_gradient_accumulation_steps / self.args.steps_per_generation)
 
     def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> Any:
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -464,8 +482,9 @@ class MonitoredGRPOTrainer(GRPOTrainer):
 
     def _references(self, inputs: list[dict[str, Any]], out: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, L] rows (right-padded) of prompt + ground-truth completion, and [B, L] what each token is:
-        0 padding, 1 context (the prompt), 2 trained (the reference); one row per prompt of this rank's batch carries it (a group's G rows share the prompt),
-        the others are all padding. The rows ride with the batch through TRL's shuffle and split."""
+        0 padding, 1 context (the prompt), 2 trained (the reference). One row per prompt of this rank's
+        batch carries it (a group's G rows share the prompt), the others are all padding; the rows ride
+        with the batch through TRL's shuffle and split."""
         pad = self.processing_class.pad_token_id
         rows, seen = [], set()
         for x, p_ids, p_mask in zip(inputs, out["prompt_ids"].tolist(), out["prompt_mask"].tolist()):
@@ -487,27 +506,35 @@ class MonitoredGRPOTrainer(GRPOTrainer):
         return ids.to(device), kind.to(device)
 
     def _supervision_loss(self, model: Any, inputs: dict[str, Any], logp: torch.Tensor) -> torch.Tensor | None:
-        """The auxiliary terms of one micro-batch, scaled for gradient accumulation as TRL's aux loss is."""
+        """The auxiliary terms of one micro-batch: unlikelihood a mean over this micro-batch's marked tokens over
+        the accumulation steps (as TRL's aux loss); the SFT term a sum over this micro-batch's reference tokens
+        over the window's count (`_window`), so an optimizer step's terms add up to its token mean."""
         s, terms = self.supervision, []
         if s.unlikelihood_coef > 0 and inputs["unlikely"].any():
             values = unlikelihood(logp[inputs["unlikely"]])
             s.count("unlikelihood_sum", values.detach().sum().item())
             s.count("unlikely_tokens", values.numel())
-            terms.append(s.unlikelihood_coef * values.mean())
-        if s.sft_coef > 0 and (inputs["sft_mask"] == 2).any():
+            terms.append(s.unlikelihood_coef * values.mean() / self.current_gradient_accumulation_steps)
+        if s.sft_coef > 0:
+            # a forward on every micro-batch of every rank, with or without a reference row in it: under ZeRO-3,
+            # FSDP and DDP each forward is a collective, and ranks whose shuffle dealt them no reference would
+            # otherwise do one fewer than the others
             rows = (inputs["sft_mask"] == 2).any(dim=1)
+            rows[0] = rows[0] | ~rows.any()  # none here: one row, padding only, for a forward that trains nothing
             ids, kind = inputs["sft_ids"][rows], inputs["sft_mask"][rows]
-            width = int((kind > 0).sum(dim=1).max())
+            width = max(1, int((kind > 0).sum(dim=1).max()))
             ids, kind = ids[:, :width], kind[:, :width]
             train = kind == 2
             select = torch.zeros_like(train)
             select[:, :-1] = train[:, 1:]  # the position before a trained token predicts it
-            logits = model(input_ids=ids, attention_mask=(kind > 0).long()).logits
+            attention = (kind > 0).long()
+            attention[:, 0] = 1  # a padding-only row still attends somewhere (a fully masked row gives NaN)
+            logits = model(input_ids=ids, attention_mask=attention).logits
             nll = torch.nn.functional.cross_entropy(logits[select].float(), ids[train], reduction="sum")
             s.count("sft_nll_sum", nll.item())
             s.count("sft_tokens", int(train.sum()))
-            terms.append(s.sft_coef * nll / train.sum())
-        return sum(terms) / self.current_gradient_accumulation_steps if terms else None
+            terms.append(s.sft_coef * nll / self._window(inputs["sft_tokens_in_batch"]) + 0.0 * logits.sum())
+        return sum(terms) if terms else None
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
         training = self.model.training
@@ -536,7 +563,13 @@ class MonitoredGRPOTrainer(GRPOTrainer):
                 shaped = luffy_loss(logp[rows], advantages[rows], self.luffy_gamma)
                 self.supervision.count("expert_loss_sum", shaped.detach().sum().item())
                 self.supervision.count("expert_tokens", shaped.numel())
-                loss = loss + shaped.mean() / self.current_gradient_accumulation_steps
+                # weighted as TRL weighs the policy's tokens: with dapo (TRL's default) by the generation batch's
+                # token count, which counts the expert tokens too; otherwise a token mean of this micro-batch
+                if self.loss_type in ("dapo", "cispo", "vespo"):
+                    loss = loss + shaped.sum() / self._window(inputs["num_items_in_batch"])
+                else:
+                    tokens = inputs["completion_mask"].sum().clamp(min=1)
+                    loss = loss + shaped.sum() / tokens / self.current_gradient_accumulation_steps
             mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
             mask = mask * ~expert[:, None]  # the monitor watches the policy's own samples
             # the sampling policy's log-prob: vLLM's when TRL has it, else the old policy's, else (one update
