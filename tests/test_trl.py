@@ -33,6 +33,31 @@ def _ctrl(row):
     return {k: v for k, v in row.items() if k.startswith("ctrl/")}
 
 
+def _our_forward(checkpoint, saved, keep=None):
+    """Our update's log-prob and entropy (`rl.policy_logprobs`) at the completion tokens of TRL's saved
+    micro-batch (its rows where `keep`), right-padded as our update takes them, with the weights TRL
+    scored them with. Returns (ids, sampled mask, logp, entropy)."""
+    from toolcollapse.model import load_model
+    from toolcollapse.records import PolicyBatch
+    from toolcollapse.rl import policy_logprobs
+
+    x = saved["inputs"]
+    keep = torch.ones(len(x["prompt_ids"]), dtype=torch.bool) if keep is None else keep
+    model = load_model(checkpoint)
+    model.load_state_dict(saved["weights"])
+    rows = [(torch.cat([p[m.bool()], c[k.bool()]]), int(m.sum())) for p, m, c, k, e in
+            zip(x["prompt_ids"], x["prompt_mask"], x["completion_ids"], x["completion_mask"], keep) if e]
+    width = max(len(r) for r, _ in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    sampled = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, (r, n) in enumerate(rows):
+        ids[i, :len(r)], sampled[i, n:len(r)] = r, True
+    with torch.no_grad():
+        logp, entropy = policy_logprobs(model.eval(), PolicyBatch(ids, sampled, torch.zeros(ids.shape),
+                                                                  torch.zeros(len(rows))))
+    return ids, sampled, logp, entropy
+
+
 @pytest.mark.slow
 def test_ctrl_and_probe_series_equal_toolcollapse_s_own_monitor_on_the_same_batch_and_weights(
         tmp_path, answering_checkpoint):
@@ -42,29 +67,14 @@ def test_ctrl_and_probe_series_equal_toolcollapse_s_own_monitor_on_the_same_batc
     from toolcollapse.integrations.trl import ControlTokenCallback
     from toolcollapse.model import load_model
     from toolcollapse.monitor import resolve_token_ids, run_probe, sampled_control_stats
-    from toolcollapse.records import PolicyBatch
-    from toolcollapse.rl import policy_logprobs, probe_for
+    from toolcollapse.rl import probe_for
 
     (end,) = _drive(answering_checkpoint, tmp_path, "--steps", "2")
     first_log = end["log_history"][0]
     assert first_log["step"] == 1 and first_log["ctrl/im_end/n_sampled"] > 0
 
     # the first micro-batch, right-padded as our update takes it, scored by our forward with the same weights
-    saved = torch.load(tmp_path / "rank0" / "first.pt")
-    x = saved["inputs"]
-    model = load_model(answering_checkpoint)
-    model.load_state_dict(saved["weights"])
-    rows = [torch.cat([p[m.bool()], c[k.bool()]]) for p, m, c, k in
-            zip(x["prompt_ids"], x["prompt_mask"], x["completion_ids"], x["completion_mask"])]
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    sampled = torch.zeros(len(rows), width, dtype=torch.bool)
-    for i, (r, m) in enumerate(zip(rows, x["prompt_mask"])):
-        ids[i, :len(r)] = r
-        sampled[i, int(m.sum()):len(r)] = True
-    batch = PolicyBatch(ids, sampled, torch.zeros(ids.shape), torch.zeros(len(rows)))
-    with torch.no_grad():
-        logp, entropy = policy_logprobs(model.eval(), batch)
+    ids, sampled, logp, entropy = _our_forward(answering_checkpoint, torch.load(tmp_path / "rank0" / "first.pt"))
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(answering_checkpoint)
@@ -84,7 +94,8 @@ def test_ctrl_and_probe_series_equal_toolcollapse_s_own_monitor_on_the_same_batc
     for key, value in expected.items():
         assert logged[key] == pytest.approx(value, abs=1e-5), key
     assert ControlTokenCallback.for_tool_world(cfg, tokenizer).token_ids == token_ids
-    assert resolve_token_ids(tokenizer, CONTROL_TAGS)  # the probe's slots are the chat format's control tags
+    tags = resolve_token_ids(tokenizer, CONTROL_TAGS)  # the probe's slots: every control tag one distinct token
+    assert tags and len(set(tags.values())) == len(CONTROL_TAGS)
 
 
 @pytest.mark.slow
@@ -234,9 +245,6 @@ def test_ops_puts_the_reference_in_one_row_of_each_group_and_shapes_its_loss(tmp
     from transformers import AutoTokenizer
 
     from toolcollapse.losses import luffy_loss
-    from toolcollapse.model import load_model
-    from toolcollapse.records import PolicyBatch
-    from toolcollapse.rl import policy_logprobs
 
     (end,) = _drive(answering_checkpoint, tmp_path, "--steps", "2", "--ops", "1", "--ops-shaping", shaping)
     first_log = end["log_history"][0]
@@ -256,19 +264,8 @@ def test_ops_puts_the_reference_in_one_row_of_each_group_and_shapes_its_loss(tmp
         assert "sup/expert_luffy_loss" not in first_log
         return
     # LUFFY's shaped loss of the expert tokens, from our forward with the same weights and TRL's advantages
-    model = load_model(answering_checkpoint)
-    model.load_state_dict(saved["weights"])
-    rows = [torch.cat([p[m.bool()], c[k.bool()]]) for p, m, c, k, e in
-            zip(x["prompt_ids"], x["prompt_mask"], x["completion_ids"], x["completion_mask"], expert) if e]
-    prompt_lens = [int(m.sum()) for m, e in zip(x["prompt_mask"], expert) if e]
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    sampled = torch.zeros(len(rows), width, dtype=torch.bool)
-    for i, (r, n) in enumerate(zip(rows, prompt_lens)):
-        ids[i, :len(r)], sampled[i, n:len(r)] = r, True
-    with torch.no_grad():
-        logp, _ = policy_logprobs(model.eval(), PolicyBatch(ids, sampled, torch.zeros(ids.shape), torch.zeros(len(rows))))
-    advantages = torch.cat([x["advantages"][expert][i].expand(int(sampled[i].sum())) for i in range(len(rows))])
+    _, sampled, logp, _ = _our_forward(answering_checkpoint, saved, keep=expert)
+    advantages = torch.cat([x["advantages"][expert][i].expand(int(sampled[i].sum())) for i in range(len(sampled))])
     assert first_log["sup/expert_luffy_loss"] == pytest.approx(luffy_loss(logp, advantages, 0.1).mean().item(), abs=1e-5)
 
 

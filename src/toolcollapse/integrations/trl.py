@@ -86,6 +86,12 @@ def _append(out_dir: str, name: str, row: Mapping[str, Any]) -> None:
 # ----------------------------------------------------------------------------- distributed helpers
 
 
+def _loss_mask(batch: Mapping[str, Any]) -> torch.Tensor:
+    """The completion tokens TRL's loss counts: the completion mask, less a multi-turn completion's tool
+    responses (`tool_mask`), as `GRPOTrainer._compute_loss` takes it."""
+    return batch["completion_mask"] * batch["tool_mask"] if "tool_mask" in batch else batch["completion_mask"]
+
+
 def _gather_rows(rows: torch.Tensor) -> torch.Tensor:
     """Every rank's [n_i, k] rows, concatenated in rank order on every rank (n_i may differ, and be 0)."""
     from accelerate import PartialState
@@ -152,14 +158,11 @@ class TurnStates:
 
         self.tokenizer, self.tools = tokenizer, tools
         self.id_to_tag, self.text_tags = control_tag_ids(tokenizer)
-        self.counts = torch.zeros(len(self._keys()), dtype=torch.float64)
-
-    @staticmethod
-    def _keys() -> list[str]:
         from toolcollapse.records import ErrorType, TurnState
 
-        return (["n_rollouts", "n_turns"] + [f"state/{s.value}" for s in TurnState]
-                + [f"error/{e.value}" for e in ErrorType])
+        self.keys = (["n_rollouts", "n_turns"] + [f"state/{s.value}" for s in TurnState]
+                     + [f"error/{e.value}" for e in ErrorType])
+        self.counts = torch.zeros(len(self.keys), dtype=torch.float64)
 
     def add(self, completion_ids: torch.Tensor, mask: torch.Tensor) -> None:
         """[B, T] completions of one generation batch (`mask`: their tokens; a multi-turn completion's tool
@@ -171,7 +174,7 @@ class TurnStates:
         def decode(ids: list[int]) -> str:
             return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-        keys = {k: i for i, k in enumerate(self._keys())}
+        keys = {k: i for i, k in enumerate(self.keys)}
         for ids, m in zip(completion_ids.tolist(), mask.tolist()):
             turns = [valid_text(t) for t in split_turns(decode([i for i, k in zip(ids, m) if k]))]
             self.counts[keys["n_rollouts"]] += 1
@@ -191,7 +194,7 @@ class TurnStates:
 
         counts = _gather_rows(self.counts[None]).sum(dim=0)
         self.counts = torch.zeros_like(self.counts)
-        total = dict(zip(self._keys(), counts.tolist()))
+        total = dict(zip(self.keys, counts.tolist()))
         if not total["n_turns"]:
             return {}
         out = {k: v / total["n_turns"] for k, v in total.items() if k.startswith(("state/", "error/"))}
@@ -446,7 +449,7 @@ class MonitoredGRPOTrainer(GRPOTrainer):
         out = super()._generate_and_score_completions(inputs)
         if not self.model.training:
             return out
-        mask = out["completion_mask"] * out["tool_mask"] if "tool_mask" in out else out["completion_mask"]
+        mask = _loss_mask(out)
         out["expert"] = self._expert.to(mask.device)
         self.supervision.count("expert_rows", float(self._expert.sum()))
         self.supervision.count("hinted_rows", float(self._hinted.sum()))
@@ -570,8 +573,7 @@ class MonitoredGRPOTrainer(GRPOTrainer):
                 else:
                     tokens = inputs["completion_mask"].sum().clamp(min=1)
                     loss = loss + shaped.sum() / tokens / self.current_gradient_accumulation_steps
-            mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
-            mask = mask * ~expert[:, None]  # the monitor watches the policy's own samples
+            mask = _loss_mask(inputs) * ~expert[:, None]  # the monitor watches the policy's own samples
             # the sampling policy's log-prob: vLLM's when TRL has it, else the old policy's, else (one update
             # per generation, on-policy) the current one's, as TRL's own loss takes it
             old = inputs.get("sampling_per_token_logps")
