@@ -348,3 +348,204 @@ def test_trl_s_own_tool_loop_trains_on_the_tool_world_environment(tmp_path, answ
     assert "tools/call_frequency" in log and "rewards/tool_world_reward/mean" in log
     assert sum(log[f"state/{s}"] for s in ("healthy_call", "healthy_response", "text_pollution",
                                             "full_collapse")) == pytest.approx(1.0)
+
+
+def _scripted_trainer(checkpoint, cfg, tasks, turns):
+    """A MonitoredGRPOTrainer on the tool world (TRL's own tool loop, our chat format) whose generations are
+    scripted: the k-th turn of a rollout of `tasks[i]` (after k tool replies) is `turns[i][k]` (Messages),
+    encoded as our policy writes it. It keeps its last generation batch (`saved`: inputs, outputs)."""
+    from transformers import AutoTokenizer
+
+    from toolcollapse.chat import PieceEncoder, assistant_body, conversation_pieces
+    from toolcollapse.integrations.trl import MonitoredGRPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    encoder = PieceEncoder(tokenizer)
+    reply = tokenizer.convert_tokens_to_ids("<tool_response>")
+    script = {tuple(encoder.encode(conversation_pieces(t.prompt, add_generation_prompt=True))[0]):
+              [encoder.encode(assistant_body(m))[0] for m in messages] for t, messages in zip(tasks, turns)}
+
+    class Scripted(MonitoredGRPOTrainer):
+        def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+            out = []
+            for ids in prompt_ids:
+                prompt = next(p for p in script if tuple(ids[:len(p)]) == p)
+                out.append(list(script[prompt][ids.count(reply) - prompt.count(reply)]))
+            return out, None
+
+        def _generate_and_score_completions(self, inputs):
+            self.saved = (inputs, super()._generate_and_score_completions(inputs))
+            return self.saved[1]
+
+    return Scripted, tokenizer
+
+
+def _tool_world_args(tmp_path, **kwargs):
+    from trl import GRPOConfig
+
+    return GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, gradient_checkpointing=False,
+                      per_device_train_batch_size=8, num_generations=2, max_completion_length=1024, max_steps=1,
+                      logging_steps=1, report_to="none", save_strategy="no", seed=0, beta=0.0, shuffle_dataset=False,
+                      **kwargs)
+
+
+def test_trl_s_tool_loop_in_our_chat_format_builds_token_for_token_the_episodes_our_engine_builds(
+        tmp_path, tiny_checkpoint):
+    """TRL's own tool loop (parse, run the environment's tool, append the reply) on a toolcollapse model in
+    its own chat format, its generations scripted to the ground truth's turns: the completions, their loss
+    masks, the rewards and the four states equal our engine's replay of the same tasks, and so does the
+    rollout rebuilt as our Episode (what PRS's judge reads). (With the real tiny SFT checkpoint, greedy, TRL
+    and our engine sample the same episodes: bench/grpo_multiturn_vs_trl.py.)"""
+    from toolcollapse.config import load_config
+    from toolcollapse.envs import make_env
+    from toolcollapse.evaluate import sampling_params
+    from toolcollapse.integrations.trl import (rollout_episode, tool_world_dataset, tool_world_environment,
+                                               tool_world_reward)
+    from toolcollapse.model import load_model
+    from toolcollapse.rollout import RolloutEngine
+
+    cfg = load_config("configs/tiny_rl.yaml", ["world.n_train=2000", "world.n_test=200", "world.n_ood=150"])
+    world = make_env(cfg)
+    tasks = world.tasks("train")[:4]
+    Scripted, tokenizer = _scripted_trainer(tiny_checkpoint, cfg, tasks,
+                                            [[m for m in t.reference if m.role == "assistant"] for t in tasks])
+    engine = RolloutEngine(load_model(tiny_checkpoint), tokenizer, world)
+    replayed = {e.task_id: e for e in engine.replay(tasks, sampling_params(cfg, greedy=True))}
+    trainer = Scripted(model=load_model(tiny_checkpoint), reward_funcs=tool_world_reward, args=_tool_world_args(tmp_path),
+                       train_dataset=tool_world_dataset(cfg, "train", 4, system_prompt=True), processing_class=tokenizer,
+                       environment_factory=tool_world_environment(cfg), tools=world.tool_table)
+    trainer.train()
+    inputs, out = trainer.saved
+    for i, x in enumerate(inputs):
+        ep = replayed[x["task_id"]]
+        keep = out["completion_mask"][i].bool()
+        prompt = out["prompt_ids"][i][out["prompt_mask"][i].bool()]
+        assert prompt.tolist() == ep.tokens[:ep.prompt_len]
+        assert out["completion_ids"][i][keep].tolist() == ep.tokens[ep.prompt_len:]  # tool replies from our tools
+        assert out["tool_mask"][i][keep].tolist() == ep.loss_mask[ep.prompt_len:]  # <|im_end|> after a call: 0
+        rebuilt = rollout_episode(tasks[i // 2], prompt, out["completion_ids"][i][keep], out["tool_mask"][i][keep],
+                                  tokenizer, world.tool_table)
+        assert (rebuilt.tokens, rebuilt.loss_mask, rebuilt.finish, rebuilt.final_text) == (
+            ep.tokens, ep.loss_mask, ep.finish, ep.final_text)
+        assert [(t.start, t.end, t.parsed, t.observation) for t in rebuilt.turns] == [
+            (t.start, t.end, t.parsed, t.observation) for t in ep.turns]
+    log = trainer.state.log_history[0]
+    assert all(e.success for e in replayed.values()) and log["reward"] == 1.0
+    turns = sum(len(e.turns) for e in replayed.values())
+    calls = sum(t.parsed.end == "call" for e in replayed.values() for t in e.turns)
+    assert calls > 0 and log["turns_per_episode"] == pytest.approx(turns / 4)
+    assert log["state/healthy_call"] == pytest.approx(calls / turns) and log["healthy_rate"] == 1.0
+    assert log["tools/call_frequency"] == pytest.approx(calls / 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prs_target", [None, "reflection", "correction"])
+def test_ets_and_prs_phases_through_trl_train_on_the_examples_rl_builds_from_the_same_failures(
+        tmp_path, tiny_checkpoint, prs_target):
+    """A GRPO round through TRL's tool loop in which two of four tasks fail (a wrong first call, a wrong
+    answer), then an SFTTrainer phase: its rows are, token for token and label for label, the examples
+    `toolcollapse rl` builds for those failures (`interleave.phase_examples`: ETS's ground truths, and
+    PRS's from the deterministic judge's verdict on our engine's replay of the same rollouts)."""
+    import dataclasses
+
+    from trl import SFTConfig, SFTTrainer
+
+    from toolcollapse.chat import PieceEncoder, generation_prompt
+    from toolcollapse.config import load_config
+    from toolcollapse.envs import make_env
+    from toolcollapse.evaluate import sampling_params
+    from toolcollapse.integrations.trl import (tool_world_dataset, tool_world_environment, tool_world_phases,
+                                               tool_world_reward, train_interleaved)
+    from toolcollapse.interleave import Failure, judged, phase_examples
+    from toolcollapse.judge import deterministic_judge
+    from toolcollapse.model import load_model
+    from toolcollapse.records import Message, ToolCall
+    from toolcollapse.rollout import RolloutEngine
+
+    cfg = load_config("configs/tiny_rl.yaml", ["world.n_train=2000", "world.n_test=200", "world.n_ood=150"])
+    world = make_env(cfg)
+    tasks = world.tasks("train")[:4]
+
+    def wrong(task):  # the first call asks about another entity; the answer is 0
+        turns = [m for m in task.reference if m.role == "assistant"]
+        first = turns[0].tool_call
+        arguments = {k: ("Nowhere" if k == "entity" else v) for k, v in first.arguments.items()}
+        assert arguments != first.arguments
+        return [Message("assistant", "", ToolCall(first.name, arguments)), *turns[1:-1],
+                Message("assistant", "The answer is 0.")]
+
+    turns = [wrong(t) if i < 2 else [m for m in t.reference if m.role == "assistant"] for i, t in enumerate(tasks)]
+    Scripted, tokenizer = _scripted_trainer(tiny_checkpoint, cfg, tasks, turns)
+    model = load_model(tiny_checkpoint)
+    data = tool_world_dataset(cfg, "train", 4, system_prompt=True)
+    seen = []
+
+    def make_grpo(round_):
+        return Scripted(model=model, reward_funcs=tool_world_reward, args=_tool_world_args(tmp_path / "grpo"),
+                        train_dataset=data, processing_class=tokenizer,
+                        environment_factory=tool_world_environment(cfg), tools=world.tool_table)
+
+    def make_sft(dataset):
+        seen.append(dataset)
+        args = SFTConfig(output_dir=str(tmp_path / "sft"), use_cpu=True, bf16=False, per_device_train_batch_size=2,
+                         num_train_epochs=1, learning_rate=1e-3, max_length=None, report_to="none",
+                         save_strategy="no", seed=0)
+        return SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+
+    (phase,) = train_interleaved(make_grpo, make_sft, rounds=1, window=1,
+                                 phase_data=tool_world_phases(cfg, tokenizer, prs_target=prs_target))
+    # what rl builds: the failed rollouts replayed by our engine, judged, encoded
+    failed = [dataclasses.replace(t, reference=tuple(m for m in msgs)) for t, msgs in zip(tasks[:2], turns[:2])]
+    episodes = RolloutEngine(model, tokenizer, world).replay(failed, sampling_params(cfg, greedy=True))
+    assert not any(e.success for e in episodes)
+    encoder = PieceEncoder(tokenizer)
+    decode = lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False)  # noqa: E731
+    failures = [Failure(0, t.id) for t in tasks[:2]]
+    if prs_target:
+        failures = [judged(f, t, e, deterministic_judge, decode, len(encoder.encode(generation_prompt())[0]))
+                    for f, t, e in zip(failures, tasks, episodes)]
+        assert [(f.turn, f.mistake) for f in failures] == [(0, "miscopied_argument")] * 2
+    examples, stats = phase_examples(failures, {t.id: t for t in tasks}, encoder, "template", prs_target, 2048)
+    assert len(examples) == (4 if prs_target else 2) and phase["tasks"] == 2
+    assert phase["phase/prs_examples"] == stats["phase/prs_examples"] == (2 if prs_target else 0)
+    (rows,) = seen
+    assert [r["input_ids"] for r in rows] == [ids for ids, _ in examples]
+    assert [r["labels"] for r in rows] == [[t if m else -100 for t, m in zip(ids, mask)] for ids, mask in examples]
+    assert phase["phase/tokens"] == sum(sum(mask) for _, mask in examples)
+    assert phase["phase/steps"] == len(examples) // 2 and phase["phase/loss"] > 0  # SFTTrainer trained on them
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
+def test_with_constant_rewards_the_sft_term_moves_the_weights_as_our_sft_step_on_the_same_batch(
+        tmp_path, answering_checkpoint, processes):
+    """Every reward 1: GRPO's advantages are 0 and (beta 0) its loss moves nothing, so one SGD step of TRL
+    with the SFT term is exactly our SFT step (`SFTTerm`, token-mean NLL) on the references of the whole
+    batch -- with two ranks, both ranks' references together: the terms of the ranks, averaged by DDP, add
+    up to one token mean."""
+    from toolcollapse.model import load_model
+    from toolcollapse.supervision import SFTTerm
+
+    lr, coef = 0.05, 0.5
+    ends = _drive(answering_checkpoint, tmp_path, "--steps", "1", "--constant-reward", "--sft-coef", str(coef),
+                  "--optim", "sgd", "--lr", str(lr), "--max-grad-norm", "0", processes=processes)
+    assert all(e["log_history"][0]["reward_std"] == 0 for e in ends)
+    examples = []
+    for r in range(processes):
+        x = torch.load(tmp_path / f"rank{r}" / "first.pt")["inputs"]  # one micro-batch: the rank's whole batch
+        for ids, kind in zip(x["sft_ids"], x["sft_mask"]):
+            if (kind == 2).any():
+                examples.append((ids[kind > 0].tolist(), (kind[kind > 0] == 2).long().tolist()))
+    assert len(examples) == 2 * processes  # each rank: 8 rows, 2 prompts, each reference once
+    model = load_model(answering_checkpoint)
+    model.load_state_dict(torch.load(tmp_path / "rank0" / "first.pt")["weights"])
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    SFTTerm(coef, 64, model.config.pad_token_id).backward(model.train(), examples)
+    finals = [torch.load(tmp_path / f"rank{r}" / "final.pt") for r in range(processes)]
+    moved = 0
+    for name, p in model.named_parameters():
+        ours = before[name] - lr * p.grad
+        for final in finals:  # every rank ends with the same weights
+            torch.testing.assert_close(final[name], ours, atol=1e-6, rtol=1e-5)
+        moved += int((finals[0][name] != before[name]).sum())
+    assert moved > 1000  # the step did move the weights

@@ -5,6 +5,7 @@ under `accelerate launch --cpu --num_processes 2` (gloo). Each rank writes what 
                                   (targets, logp, old logp, entropy), before the cross-rank reduction
   <out>/rank<r>/gen_<step>.pt     the completions it sampled at that (0-based) step
   <out>/rank<r>/first.pt          its first micro-batch's inputs and the weights they were scored with
+  <out>/rank<r>/final.pt          the weights at the end
   <out>/rank<r>/end.json          the global step it stopped at, its alarms and its log history (ETS: the phases)
 
     python tests/trl_driver.py CHECKPOINT OUT [--steps N] [--inject-at K] [--on-alarm stop]
@@ -33,6 +34,10 @@ def main() -> None:
     ap.add_argument("--ops-shaping", default="luffy")
     ap.add_argument("--hbg", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=0)  # > 0: ETS, rounds of --steps GRPO steps, then SFT phases
+    ap.add_argument("--constant-reward", action="store_true")  # every completion 1.0: GRPO's advantages are 0
+    ap.add_argument("--optim", default="adamw_torch")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--max-grad-norm", type=float, default=1.0)  # 0: no clipping
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -64,6 +69,8 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
 
     def length(completions: list[str], **_: object) -> list[float]:  # any reward whose groups differ moves the weights
+        if args.constant_reward:
+            return [1.0] * len(completions)
         if args.rounds:  # ETS: a task fails unless its completion calls a tool (the answering model never does)
             return [float("<tool_call>" in c) for c in completions]
         return [len(c) / 10 for c in completions]
@@ -71,7 +78,8 @@ def main() -> None:
     monitor = ControlTokenCallback.for_tool_world(cfg, tokenizer)
     config = GRPOConfig(output_dir=str(Path(args.out) / "trainer"), use_cpu=True, bf16=False,
                         gradient_checkpointing=False, per_device_train_batch_size=args.per_device, num_generations=4,
-                        max_completion_length=12, temperature=1.0, beta=0.0, learning_rate=1e-3,
+                        max_completion_length=12, temperature=1.0, beta=0.0, learning_rate=args.lr,
+                        optim=args.optim, max_grad_norm=args.max_grad_norm,
                         max_steps=args.steps, logging_steps=1, report_to="none", save_strategy="no", seed=0,
                         generation_kwargs={"eos_token_id": [tokenizer.convert_tokens_to_ids(t) for t in STOP_TAGS]})
     mine = Path(args.out) / f"rank{PartialState().process_index}"  # after GRPOConfig, which sets up the processes
@@ -146,6 +154,7 @@ def main() -> None:
 
     trainer.callback_handler.callbacks.insert(0, Inject())  # before the monitor's probe
     trainer.train()
+    torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, mine / "final.pt")
     (mine / "end.json").write_text(json.dumps({
         "global_step": trainer.state.global_step, "log_history": trainer.state.log_history,
         "alarms": [{"step": a.step, "series": a.rule.series} for a in monitor.alarms],

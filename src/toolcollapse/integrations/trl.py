@@ -32,10 +32,16 @@ toolcollapse brings its monitor, its diagnosis and its supervision signals:
     ones, so TRL's old log-probs, where it computes them, are the hint-free ones (first ratio 1);
   - expert and hinted rows stay out of `ctrl/*` (expert), the four states and the failures ETS collects;
     OPS and HBG take text prompts.
-- `train_interleaved`: ETS with TRL's own trainers, GRPO rounds and `SFTTrainer` phases on the same model.
+- `train_interleaved`: ETS and PRS with TRL's own trainers, GRPO rounds and `SFTTrainer` phases on the
+  same model; on the tool world (`tool_world_phases`) the phases train on the examples `toolcollapse rl`
+  builds, token for token: each failed task's ground truth, and PRS's from the judge's verdict on the failed
+  rollout of TRL's tool loop (`rollout_episode` rebuilds it as our Episode).
 - `tool_world_environment`, `tool_world_dataset`, `tool_world_reward`: the tool world for TRL's own
   multi-turn tool loop (`environment_factory`): one method per tool, its signature and docstring from the
-  tool's JSON schema, each call run by the world's sandboxed tools.
+  tool's JSON schema, each call run by the world's sandboxed tools. A model trained by toolcollapse runs
+  there in its own chat format (`speak_toolcollapse_chat`, done by `MonitoredGRPOTrainer`; the dataset's
+  `system_prompt=True`): TRL's tool loop then shows it exactly the tokens our rollouts show it (greedy, the
+  same episodes; bench/grpo_multiturn_vs_trl.py).
 
     trainer = MonitoredGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...,
                                    processing_class=tokenizer,
@@ -49,7 +55,10 @@ reads a monitored TRL run as it reads one of ours.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -176,7 +185,11 @@ class TurnStates:
 
         keys = {k: i for i, k in enumerate(self.keys)}
         for ids, m in zip(completion_ids.tolist(), mask.tolist()):
-            turns = [valid_text(t) for t in split_turns(decode([i for i, k in zip(ids, m) if k]))]
+            # each run of sampled tokens is a generation: in TRL's tool loop, one turn, the tool's reply and
+            # the template's tokens around it masked out between two runs
+            runs = [[i for i, _ in run] for keep, run in itertools.groupby(zip(ids, m), key=lambda x: bool(x[1]))
+                    if keep]
+            turns = [valid_text(t) for run in runs for t in split_turns(decode(run))]
             self.counts[keys["n_rollouts"]] += 1
             for turn in turns:
                 # every control tag one token: the live parse, on ids; otherwise the tags can only match as text
@@ -317,9 +330,12 @@ class ControlTokenCallback(TrainerCallback):
         every = self.monitor.probe_every
         if self.probe is None or every <= 0 or state.global_step % every:
             return control
+        t0 = time.perf_counter()
         stats = _from_rank_zero(self._run_probe(model))
         self.pending.update(stats)
-        return self.observe(self.step_offset + state.global_step, stats, args, control)
+        control = self.observe(self.step_offset + state.global_step, stats, args, control)
+        self.pending["monitor/seconds_probe"] = time.perf_counter() - t0  # its cost, beside TRL's step_time
+        return control
 
     def _run_probe(self, model: Any) -> dict[str, float]:
         if self.trainer is None:
@@ -380,16 +396,24 @@ class MonitoredGRPOTrainer(GRPOTrainer):
                  control_tokens: tuple[str, ...] | None = None, tools: Mapping[str, Any] | None = None,
                  sft_coef: float = 0.0, unlikelihood_coef: float = 0.0, reference_column: str = "reference",
                  ops: int = 0, ops_shaping: str = "luffy", luffy_gamma: float = 0.1, hbg: int = 0,
-                 hint_column: str = "hinted_prompt", **kwargs: Any):
+                 hint_column: str = "hinted_prompt", call_end: str = "template", **kwargs: Any):
         """`tools`: name -> ToolSpec of the tools the policy may call (None: unknown tools and bad arguments
         are not checked, only the format). `sft_coef` > 0 needs a text `reference_column` in the training
-        dataset: the ground-truth completion of the row's prompt, in the chat format the policy writes."""
+        dataset: the ground-truth completion of the row's prompt, in the chat format the policy writes.
+        `call_end`: for a toolcollapse model in TRL's tool loop, who writes a call turn's <|im_end|> -- the
+        template (the default of our SFT: `</tool_call>` ends the turn) or the model (`sampled`)."""
+        self._call_end_id: int | None = None
+        tokenizer, model = kwargs.get("processing_class"), kwargs.get("model", args[0] if args else None)
+        if kwargs.get("tools") or kwargs.get("environment_factory"):
+            self._call_end_id = speak_toolcollapse_chat(tokenizer, model, call_end)
         super().__init__(*args, **kwargs)
         names = control_tokens or (monitor.monitor if monitor else MonitorConfig()).control_tokens
         self.sampled = SampledTokens(resolve_token_ids(self.processing_class, names))
         self.turns = TurnStates(self.processing_class, tools)
         self.supervision = Supervision(sft_coef, unlikelihood_coef, reference_column)
-        self.failures: list[dict[str, Any]] = []  # this rank's rollouts with reward <= 0: step, prompt, reference
+        # this rank's rollouts with reward <= 0 (step, prompt, reference, task_id, their tokens): what ETS/PRS
+        # phases train on (`train_interleaved` starts a trainer per round; a long single run: clear it now and then)
+        self.failures: list[dict[str, Any]] = []
         if ops_shaping not in ("luffy", "none"):
             raise ValueError(f"ops_shaping {ops_shaping!r}: luffy or none")
         if ops < 0 or hbg < 0 or ops + hbg >= self.num_generations:
@@ -410,6 +434,12 @@ class MonitoredGRPOTrainer(GRPOTrainer):
         self.monitor = monitor.attach(self) if monitor else None
         self._captured: tuple[torch.Tensor, torch.Tensor] | None = None
         self._capture = False
+
+    def _get_tool_suffix_ids(self, tool_messages: list[dict[str, Any]]) -> list[int]:
+        """What TRL appends after a tool-calling turn: a turn our model ended at `</tool_call>` still needs
+        the <|im_end|> the template writes (as `rollout.call_end: template`; masked out like the reply)."""
+        suffix = super()._get_tool_suffix_ids(tool_messages)
+        return suffix if self._call_end_id is None else [self._call_end_id, *suffix]
 
     def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
         out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
@@ -449,6 +479,7 @@ class MonitoredGRPOTrainer(GRPOTrainer):
         out = super()._generate_and_score_completions(inputs)
         if not self.model.training:
             return out
+        self._keep_failed_rollouts(out)
         mask = _loss_mask(out)
         out["expert"] = self._expert.to(mask.device)
         self.supervision.count("expert_rows", float(self._expert.sum()))
@@ -472,16 +503,30 @@ class MonitoredGRPOTrainer(GRPOTrainer):
 
     def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> Any:
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        if self.model.training and self.supervision.column in inputs[0]:
+        if self.model.training and (self.supervision.column in inputs[0] or "task_id" in inputs[0]):
             # TRL gathers every rank's rows in rank order; this rank's are its slice (as TRL slices advantages)
             rank, n = self.accelerator.process_index, len(prompts)
             local = rewards_per_func[rank * n:(rank + 1) * n]
             rewards = (local * self.reward_weights.to(local.device).unsqueeze(0)).nansum(dim=1)
             self.failures += [{"step": self.state.global_step, "prompt": x["prompt"],
-                               "reference": x[self.supervision.column]}
-                              for x, r, e in zip(inputs, rewards.tolist(), (self._expert | self._hinted).tolist())
+                               "reference": x.get(self.supervision.column), "task_id": x.get("task_id"), "row": i}
+                              for i, (x, r, e) in enumerate(zip(inputs, rewards.tolist(),
+                                                                (self._expert | self._hinted).tolist()))
                               if r <= 0 and not e]
         return rewards_per_func
+
+    def _keep_failed_rollouts(self, out: Mapping[str, torch.Tensor]) -> None:
+        """The tokens of this generation batch's failed rollouts, on their failures (what ETS/PRS phases
+        are built from): prompt, completion, and which completion tokens the policy sampled."""
+        mask = _loss_mask(out)
+        for f in self.failures:
+            i = f.pop("row", None)
+            if i is None:
+                continue
+            keep = out["completion_mask"][i].bool()
+            f["prompt_ids"] = out["prompt_ids"][i][out["prompt_mask"][i].bool()].to("cpu", torch.int32)
+            f["completion_ids"] = out["completion_ids"][i][keep].to("cpu", torch.int32)
+            f["sampled"] = mask[i][keep].to("cpu", torch.bool)
 
     def _references(self, inputs: list[dict[str, Any]], out: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, L] rows (right-padded) of prompt + ground-truth completion, and [B, L] what each token is:
@@ -598,13 +643,18 @@ class MonitoredGRPOTrainer(GRPOTrainer):
 
 
 def train_interleaved(make_grpo: Any, make_sft: Any, rounds: int, window: int,
-                      output_dir: str | Path | None = None) -> list[dict[str, Any]]:
-    """ETS with TRL's trainers: `rounds` times, a GRPO round (`make_grpo(round)`: a MonitoredGRPOTrainer on
-    the policy, its `args.max_steps` the round's steps, its dataset -- the round's part of the data, as a new
-    trainer starts its data order over -- with the reference column), then an SFT
-    phase (`make_sft(dataset)`: e.g. TRL's SFTTrainer on the same model object) on the ground truth of every
-    prompt with a reward <= 0 rollout, on any rank, in the round's last `window` steps -- the rule of ours
-    and of the paper's released code. The dataset is prompt/completion rows (train the completion only).
+                      output_dir: str | Path | None = None, phase_data: Any = None) -> list[dict[str, Any]]:
+    """ETS (and PRS) with TRL's trainers: `rounds` times, a GRPO round (`make_grpo(round)`: a
+    MonitoredGRPOTrainer on the policy, its `args.max_steps` the round's steps, its dataset the round's part
+    of the data, as a new trainer starts its data order over), then an SFT phase (`make_sft(dataset)`: e.g.
+    TRL's SFTTrainer on the same model object) on the tasks with a reward <= 0 rollout, on any rank, in the
+    round's last `window` steps -- the rule of ours and of the paper's released code.
+
+    `phase_data(failures) -> (dataset, trained tokens per epoch)` builds the phase's data from the round's
+    failures (each task's newest): by default `reference_rows` (prompt/completion text rows from the dataset's
+    reference column: train the completion only); for the tool world, `tool_world_phases(cfg, tokenizer,
+    prs_target=...)`: our own examples, token for token, PRS's included (pre-tokenized rows, `labels` -100
+    where nothing is trained, which SFTTrainer takes as they are).
 
     At a phase change, as in `toolcollapse rl`: each trainer brings a fresh optimizer (the moments of the
     weights before a phase do not carry over); the monitor's callback, if the trainers share one, keeps its
@@ -613,7 +663,6 @@ def train_interleaved(make_grpo: Any, make_sft: Any, rounds: int, window: int,
     by an alarm (`monitor.on_alarm: stop`) ends the schedule. Returns the phases' records, also written to
     <output_dir>/phases.jsonl (default: the first GRPO trainer's output_dir)."""
     from accelerate.utils import gather_object
-    from datasets import Dataset
 
     phases: list[dict[str, Any]] = []
     offset = 0
@@ -625,18 +674,18 @@ def train_interleaved(make_grpo: Any, make_sft: Any, rounds: int, window: int,
         grpo.train()
         steps = grpo.state.global_step
         failed = gather_object([f for f in grpo.failures if f["step"] >= steps - window])
-        unique = list({json.dumps(f["prompt"], sort_keys=True, default=str): f for f in failed}.values())
+        newest = list({json.dumps(f["prompt"], sort_keys=True, default=str): f for f in failed}.values())
         stopped = steps < grpo.args.max_steps
         offset += steps
-        record = {"step": offset, "round": round_, "phase": "ets", "tasks": len(unique)}
-        if unique and not stopped:
-            data = Dataset.from_list([{"prompt": f["prompt"], "completion": f["reference"]} for f in unique])
+        record: dict[str, Any] = {"step": offset, "round": round_, "phase": "ets", "tasks": len(newest)}
+        if newest and not stopped:
+            data, tokens, stats = (phase_data or functools.partial(reference_rows, tokenizer=grpo.processing_class))(
+                newest)
+            record.update(stats)
             sft = make_sft(data)
             sft.train()
-            tokenizer = sft.processing_class
             epochs = sft.args.num_train_epochs if sft.args.max_steps <= 0 else None
-            record["phase/tokens"] = (sum(len(tokenizer(f["reference"], add_special_tokens=False)["input_ids"])
-                                          for f in unique) * epochs) if epochs else None
+            record["phase/tokens"] = tokens * epochs if epochs else None
             record["phase/steps"] = sft.state.global_step
             record["phase/loss"] = next((h["train_loss"] for h in reversed(sft.state.log_history)
                                          if "train_loss" in h), None)
@@ -647,7 +696,133 @@ def train_interleaved(make_grpo: Any, make_sft: Any, rounds: int, window: int,
     return phases
 
 
+def reference_rows(failures: list[dict[str, Any]], tokenizer: Any) -> tuple[Any, int, dict[str, float]]:
+    """ETS's data from the failures' reference column: text prompt/completion rows (SFTTrainer trains the
+    completion), their completion tokens, and no stats."""
+    from datasets import Dataset
+
+    if any(f.get("reference") is None for f in failures):
+        raise ValueError("ETS phases from reference rows need the training dataset's reference column; for the "
+                         "tool world pass phase_data=tool_world_phases(cfg, tokenizer)")
+    rows = [{"prompt": f["prompt"], "completion": f["reference"]} for f in failures]
+    tokens = sum(len(tokenizer(r["completion"], add_special_tokens=False)["input_ids"]) for r in rows)
+    return Dataset.from_list(rows), tokens, {}
+
+
+def rollout_episode(task: Any, prompt_ids: Any, completion_ids: Any, sampled: Any, tokenizer: Any,
+                    tools: Mapping[str, Any] | None = None, call_end: str = "template") -> Any:
+    """A rollout of TRL's tool loop, in toolcollapse's chat format, as our `Episode`: each run of sampled
+    tokens one turn, parsed as our rollouts parse it, the tool replies between runs its observation --
+    what the judge and the PRS examples read. (Success is not rescored: the rollouts kept are failures.)"""
+    import re
+
+    from toolcollapse.chat import PieceEncoder
+    from toolcollapse.parser import parse_turn_ids
+    from toolcollapse.records import Episode, TurnRecord
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    prompt, completion = [int(i) for i in prompt_ids], [int(i) for i in completion_ids]
+    mask = [int(bool(k)) for k in sampled]
+    encoder = PieceEncoder(tokenizer)
+    id_to_tag = {i: t for t, i in encoder.special_ids.items() if i is not None}
+    ep = Episode(task.id, prompt + completion, [0] * len(prompt) + mask, [0.0] * (len(prompt) + len(mask)),
+                 len(prompt))
+    runs, at = [], 0
+    for keep, group in itertools.groupby(mask):
+        n = len(list(group))
+        if keep:
+            runs.append((at, at + n))
+        at += n
+    for k, (start, end) in enumerate(runs):
+        parsed = parse_turn_ids(completion[start:end], id_to_tag, decode, tools, call_end)
+        record = TurnRecord(len(prompt) + start, len(prompt) + end, parsed)
+        if k + 1 < len(runs):
+            gap = decode(completion[end:runs[k + 1][0]])
+            record.observation = "\n".join(re.findall(r"<tool_response>\n(.*?)\n</tool_response>", gap, re.S))
+        ep.turns.append(record)
+    last = ep.turns[-1].parsed if ep.turns else None
+    ep.finish = ("answered" if last is not None and last.end == "answer" else
+                 "max_turns" if last is not None and last.end == "call" else "malformed")
+    ep.final_text = last.text if last is not None and last.end == "answer" else None
+    return ep
+
+
+def tool_world_phases(cfg: RunConfig, tokenizer: Any, prs_target: str | None = None, judge: Any = None,
+                      call_end: str = "template", max_len: int | None = None) -> Any:
+    """`phase_data` for `train_interleaved` on the tool world (rows with `task_id`): the phase's examples as
+    `toolcollapse rl` builds them (`interleave.phase_examples`): each failed task's ground truth (ETS) and,
+    with `prs_target` (reflection or correction), one example per failure from the judge's verdict on its
+    rollout (`judge`: default the deterministic one), rebuilt with `rollout_episode`. Rows are
+    pre-tokenized: `input_ids` and `labels` (-100 where the example trains nothing)."""
+    from datasets import Dataset
+
+    from toolcollapse.chat import PieceEncoder, generation_prompt
+    from toolcollapse.envs import make_env
+    from toolcollapse.interleave import Failure, judged, phase_examples
+    from toolcollapse.judge import deterministic_judge
+
+    if prs_target not in (None, "reflection", "correction"):
+        raise ValueError(f"prs_target {prs_target!r}: None (ETS), reflection or correction")
+    world, encoder = make_env(cfg), PieceEncoder(tokenizer)
+    judge = judge or deterministic_judge
+    task = _task_lookup(world, cfg)
+    generation_prompt_len = len(encoder.encode(generation_prompt())[0])
+
+    def decode(ids: Any) -> str:
+        return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def build(failures: list[dict[str, Any]]) -> tuple[Any, int, dict[str, float]]:
+        if any(f.get("task_id") is None for f in failures):
+            raise ValueError("tool_world_phases needs each row's task_id: train on tool_world_dataset rows")
+        tasks = {f["task_id"]: task(f["task_id"]) for f in failures}
+        ours = []
+        for f in failures:
+            failure = Failure(f["step"], f["task_id"])
+            if prs_target is not None:
+                episode = rollout_episode(tasks[f["task_id"]], f["prompt_ids"], f["completion_ids"], f["sampled"],
+                                          tokenizer, world.tool_table, call_end)
+                failure = judged(failure, tasks[f["task_id"]], episode, judge, decode, generation_prompt_len)
+            ours.append(failure)
+        examples, stats = phase_examples(ours, tasks, encoder, call_end, prs_target, max_len or cfg.model.max_seq_len)
+        rows = [{"input_ids": ids, "labels": [t if m else -100 for t, m in zip(ids, mask)]} for ids, mask in examples]
+        return Dataset.from_list(rows), sum(sum(mask) for _, mask in examples), stats
+
+    return build
+
+
 # ----------------------------------------------------------------------------- the tool world as a TRL environment
+
+
+def speak_toolcollapse_chat(tokenizer: Any, model: Any, call_end: str = "template") -> int | None:
+    """Let TRL's tool loop run a model trained by toolcollapse, in its own chat format (`chat.CHAT_TEMPLATE`:
+    ChatML with Qwen's `<tool_call>` JSON; the tools are documented in the prompt's system message, see
+    `tool_world_dataset(system_prompt=True)`), so it sees exactly what our rollouts show it. TRL parses
+    calls only for chat templates it knows: this sets Qwen's response parser on the tokenizer (the same call
+    syntax), and with `call_end` template makes `</tool_call>` end a generation, as in our rollouts.
+    Returns the <|im_end|> id the tool reply must then start with (TRL's suffix begins after it), else None.
+    Any other chat template is left to TRL. `MonitoredGRPOTrainer` calls this itself."""
+    from transformers import PreTrainedModel
+    from trl.chat_template_utils import qwen3_template
+
+    from toolcollapse.chat import CHAT_TEMPLATE, IM_END, stop_tags
+
+    if getattr(tokenizer, "chat_template", None) != CHAT_TEMPLATE:
+        return None
+    if call_end not in ("template", "sampled"):
+        raise ValueError(f"call_end {call_end!r}: template or sampled (the checkpoint's rollout.call_end)")
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError("a toolcollapse chat model in TRL's tool loop: pass the model object "
+                         "(toolcollapse.model.load_model(path)), not a path, so its stop tokens can be set")
+    if getattr(tokenizer, "response_template", None) is None:
+        tokenizer.response_template = dict(qwen3_template)
+    stops = [tokenizer.convert_tokens_to_ids(t) for t in stop_tags(call_end)]
+    eos = model.generation_config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    model.generation_config.eos_token_id = eos + [i for i in stops if i not in eos]  # TRL cuts completions there
+    return tokenizer.convert_tokens_to_ids(IM_END) if call_end == "template" else None
+
 
 _JSON_TYPES = {"string": str, "number": float, "integer": int, "boolean": bool, "array": list, "object": dict}
 
@@ -681,6 +856,21 @@ def _tool_method(spec: Any) -> Any:
     return method
 
 
+def _task_lookup(world: Any, cfg: RunConfig) -> Any:
+    """task_id -> the world's Task (each split loaded when first asked for)."""
+    tasks: dict[str, Any] = {}
+
+    def task(task_id: str) -> Any:
+        split = task_id.rsplit("-", 1)[0]  # ids are <split>-<index>
+        if task_id not in tasks and split in world.splits:
+            tasks.update({t.id: t for t in world.tasks(split)})
+        if task_id not in tasks:
+            raise KeyError(f"task {task_id!r} is not a task of this tool world (world.seed {cfg.world.seed})")
+        return tasks[task_id]
+
+    return task
+
+
 def tool_world_environment(cfg: RunConfig) -> Any:
     """A factory of environments for TRL's `environment_factory`, on the tool world of `cfg` (its world and
     tools sections): `reset(task_id=...)` starts a task of the dataset row (`tool_world_dataset`), one method
@@ -691,15 +881,7 @@ def tool_world_environment(cfg: RunConfig) -> Any:
     world = make_env(cfg)
     if getattr(world, "name", "") != "toolworld":
         raise ValueError(f"tool_world_environment needs env: toolworld, not {cfg.env!r}")
-    tasks: dict[str, Any] = {}
-
-    def task(task_id: str) -> Any:
-        split = task_id.rsplit("-", 1)[0]  # ids are <split>-<index>
-        if task_id not in tasks and split in world.splits:
-            tasks.update({t.id: t for t in world.tasks(split)})
-        if task_id not in tasks:
-            raise KeyError(f"task {task_id!r} is not a task of this tool world (world.seed {cfg.world.seed})")
-        return tasks[task_id]
+    task = _task_lookup(world, cfg)
 
     def reset(self: Any, task_id: str, **row: Any) -> None:
         self.task, self.calls = task(task_id), []
@@ -718,16 +900,20 @@ def tool_world_environment(cfg: RunConfig) -> Any:
     return cls
 
 
-def tool_world_dataset(cfg: RunConfig, split: str = "train", n: int | None = None) -> Any:
+def tool_world_dataset(cfg: RunConfig, split: str = "train", n: int | None = None,
+                       system_prompt: bool = False) -> Any:
     """The split's tasks as TRL rows: `prompt` (the question, a user message: TRL's chat template renders the
-    tools), `task_id` (what the environment's `reset` gets) and `answer`."""
+    tools; with `system_prompt`, after the task's own system message, which documents them as our rollouts
+    do -- for a model in toolcollapse's chat format, whose template does not render `tools`), `task_id`
+    (what the environment's `reset` gets) and `answer`."""
     from datasets import Dataset
 
     from toolcollapse.envs import make_env
 
     tasks = make_env(cfg).tasks(split)[:n]
-    return Dataset.from_list([{"prompt": [{"role": "user", "content": t.prompt[-1].content}], "task_id": t.id,
-                               "answer": t.answer} for t in tasks])
+    return Dataset.from_list([{"prompt": [{"role": m.role, "content": m.content}
+                                          for m in (t.prompt if system_prompt else t.prompt[-1:])],
+                               "task_id": t.id, "answer": t.answer} for t in tasks])
 
 
 def tool_world_reward(completions: list[Any], environments: list[Any] | None = None, **_: Any) -> list[float]:
