@@ -10,11 +10,12 @@ checked first, greedy, episode for episode. Lengths: ours stops a rollout after 
 after 8 generations (`max_tool_calling_iterations` 7) within `max_completion_length` tokens in all (tool
 replies included), with no per-turn cap -- the mean sampled tokens per rollout of each side are printed.
 
-Three sides, each `--steps` steps (the first is warm-up, not counted), `--rounds` times in alternating order:
-  ours     `toolcollapse rl` (probe off; the update forward's control-token statistics on, as by default)
-  trl      GRPOTrainer (only the chat-format adaptation above)
-  trl+tc   MonitoredGRPOTrainer (ctrl/*, the four states) + ControlTokenCallback (probe of 32 oracle
-           conversations at its default interval, 2 steps; alarm rules)
+Four sides, each `--steps` steps (the first is warm-up, not counted), `--rounds` times in alternating order:
+  ours        `toolcollapse rl` (probe off; the update forward's control-token statistics on, as by default)
+  trl         GRPOTrainer (only the chat-format adaptation above)
+  trl+tc      MonitoredGRPOTrainer (ctrl/*, the four states) + ControlTokenCallback (probe of 32 oracle
+              conversations at its default interval, 2 steps; alarm rules)
+  trl+engine  trl+tc with our rollout engine as TRL's `rollout_func` (`engine_rollouts`) instead of its tool loop
 trl and trl+tc sample the same rollouts (the probe draws no random numbers): checked by their rewards.
 
     pip install -e '.[trl]'
@@ -56,12 +57,14 @@ def ours(checkpoint: str, steps: int) -> list[dict]:
         return read_jsonl(Path(tmp) / "rl" / "metrics.jsonl")
 
 
-def trl_trainer(checkpoint: str, steps: int, out: str, monitored: bool, greedy: bool = False, tasks=None):
+def trl_trainer(checkpoint: str, steps: int, out: str, monitored: bool, greedy: bool = False, tasks=None,
+                engine: bool = False):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from toolcollapse.integrations.trl import (ControlTokenCallback, MonitoredGRPOTrainer, speak_toolcollapse_chat,
-                                               tool_world_environment, tool_world_reward)
+    from toolcollapse.integrations.trl import (ControlTokenCallback, MonitoredGRPOTrainer, engine_rollouts,
+                                               episode_success, speak_toolcollapse_chat, tool_world_environment,
+                                               tool_world_reward)
 
     cfg = config(checkpoint, steps)
     env = make_env(cfg)
@@ -78,6 +81,9 @@ def trl_trainer(checkpoint: str, steps: int, out: str, monitored: bool, greedy: 
                       generation_kwargs={"do_sample": False} if greedy else None)
     common = dict(reward_funcs=tool_world_reward, args=args, train_dataset=data, processing_class=tokenizer,
                   environment_factory=tool_world_environment(cfg))
+    if engine:
+        common.update(reward_funcs=episode_success, environment_factory=None,
+                      rollout_func=engine_rollouts(cfg, tokenizer, tasks=tasks))
     if monitored:
         return MonitoredGRPOTrainer(model=model, tools=env.tool_table, monitor=ControlTokenCallback.for_tool_world(
             cfg, tokenizer), **common)
@@ -117,7 +123,7 @@ def greedy_identical(checkpoint: str, n: int = 8) -> tuple[int, int]:
     return equal, len(saved["inputs"])
 
 
-def trl(checkpoint: str, steps: int, monitored: bool) -> list[dict]:
+def trl(checkpoint: str, steps: int, monitored: bool, engine: bool = False) -> list[dict]:
     from transformers import TrainerCallback
 
     class Timer(TrainerCallback):  # the whole step: generation, tools, rewards, update (and the probe)
@@ -131,7 +137,7 @@ def trl(checkpoint: str, steps: int, monitored: bool) -> list[dict]:
             self.seconds.append(time.perf_counter() - self.t0)
 
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = trl_trainer(checkpoint, steps, tmp, monitored)
+        trainer = trl_trainer(checkpoint, steps, tmp, monitored, engine=engine)
         timer = Timer()
         trainer.callback_handler.callbacks.insert(0, timer)  # before the monitor's probe: the probe is timed
         trainer.train()
@@ -152,7 +158,8 @@ def main() -> None:
     print(f"greedy, TRL's tool loop vs our engine: {equal}/{n} rollouts identical (ids and loss masks)")
     sides = {"ours": lambda: ours(args.checkpoint, args.steps),
              "trl": lambda: trl(args.checkpoint, args.steps, False),
-             "trl+tc": lambda: trl(args.checkpoint, args.steps, True)}
+             "trl+tc": lambda: trl(args.checkpoint, args.steps, True),
+             "trl+engine": lambda: trl(args.checkpoint, args.steps, True, engine=True)}
     runs: dict[str, list[list[dict]]] = {name: [] for name in sides}
     for k in range(args.rounds):
         for name in (list(sides) if k % 2 == 0 else list(reversed(sides))):
@@ -169,12 +176,14 @@ def main() -> None:
         tokens = statistics.mean(r["response_tokens"] for run in rows for r in run)
         reward = statistics.mean(r["reward_mean"] for run in rows for r in run)
         healthy = [r["healthy_rate"] for run in rows for r in run if r["healthy_rate"] is not None]
-        print(f"  {name:7s} {mean[name]:6.2f} s/step (per round: "
+        print(f"  {name:10s} {mean[name]:6.2f} s/step (per round: "
               f"{[round(statistics.mean(r['seconds'] for r in run[1:]), 2) for run in rows]}), sampled tokens per "
               f"rollout {tokens:.1f}, reward {reward:.3f}, healthy turns "
               f"{f'{statistics.mean(healthy):.3f}' if healthy else '(not measured)'}")
     print(f"TRL time / ours: {mean['trl'] / mean['ours']:.2f}x")
     print(f"the integration's overhead on TRL's step: {100 * (mean['trl+tc'] / mean['trl'] - 1):+.1f} %")
+    print(f"TRL's step with our engine as its rollout_func: {mean['trl+tc'] / mean['trl+engine']:.2f}x faster than "
+          f"with its tool loop; ours / it: {mean['trl+engine'] / mean['ours']:.2f}x")
     print(f"({time.time() - t0:.0f}s)")
 
 

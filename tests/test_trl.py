@@ -383,10 +383,10 @@ def _scripted_trainer(checkpoint, cfg, tasks, turns):
 def _tool_world_args(tmp_path, **kwargs):
     from trl import GRPOConfig
 
-    return GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, gradient_checkpointing=False,
-                      per_device_train_batch_size=8, num_generations=2, max_completion_length=1024, max_steps=1,
-                      logging_steps=1, report_to="none", save_strategy="no", seed=0, beta=0.0, shuffle_dataset=False,
-                      **kwargs)
+    settings = dict(per_device_train_batch_size=8, num_generations=2, max_completion_length=1024, max_steps=1, seed=0,
+                    beta=0.0)
+    return GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, gradient_checkpointing=False, logging_steps=1,
+                      report_to="none", save_strategy="no", shuffle_dataset=False, **{**settings, **kwargs})
 
 
 def test_trl_s_tool_loop_in_our_chat_format_builds_token_for_token_the_episodes_our_engine_builds(
@@ -549,3 +549,114 @@ def test_with_constant_rewards_the_sft_term_moves_the_weights_as_our_sft_step_on
             torch.testing.assert_close(final[name], ours, atol=1e-6, rtol=1e-5)
         moved += int((finals[0][name] != before[name]).sum())
     assert moved > 1000  # the step did move the weights
+
+
+def _engine_rows(trainer):
+    """Per row of the trainer's last generation batch: task id, completion ids, env mask, reward."""
+    inputs, out = trainer.saved
+    rows = []
+    for i, x in enumerate(inputs):
+        keep = out["completion_mask"][i].bool()
+        rows.append((x["task_id"], out["completion_ids"][i][keep].tolist(), out["tool_mask"][i][keep].tolist()))
+    return inputs, out, rows
+
+
+def _keeping(cls):
+    class Keeping(cls):
+        def _generate_and_score_completions(self, inputs):
+            self.saved = (inputs, super()._generate_and_score_completions(inputs))
+            return self.saved[1]
+
+    return Keeping
+
+
+def test_our_engine_as_trl_s_rollout_func_plays_the_episodes_it_plays_in_rl_and_replays_ops_rows(
+        tmp_path, tiny_checkpoint):
+    """engine_rollouts inside GRPOTrainer: the sampled rows are the episodes our engine samples with the same
+    seed (ids, loss masks, rewards), the last row of each group is the ground truth replayed with its tool
+    replies really run (OPS), and the monitor leaves that row out."""
+    from transformers import AutoTokenizer
+
+    from toolcollapse.config import load_config
+    from toolcollapse.envs import make_env
+    from toolcollapse.evaluate import sampling_params
+    from toolcollapse.integrations.trl import MonitoredGRPOTrainer, engine_rollouts, episode_success, task_dataset
+    from toolcollapse.model import load_model
+    from toolcollapse.rollout import RolloutEngine
+
+    cfg = load_config("configs/tiny_rl.yaml", ["world.n_train=2000", "world.n_test=200", "world.n_ood=150",
+                                               "rollout.max_turns=8", "rollout.max_new_tokens=96"])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    world = make_env(cfg)
+    tasks = world.tasks("train")[:2]
+    model = load_model(tiny_checkpoint)
+    args = _tool_world_args(tmp_path, num_generations=4)
+    trainer = _keeping(MonitoredGRPOTrainer)(
+        model=model, reward_funcs=episode_success, args=args, train_dataset=task_dataset(cfg, "train", 2),
+        processing_class=tokenizer, rollout_func=engine_rollouts(cfg, tokenizer, tasks=tasks), ops=1)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    trainer.train()
+    inputs, out, rows = _engine_rows(trainer)
+    # what our engine plays from the same weights and seed: 3 sampled episodes of each task, and the replay
+    engine = RolloutEngine(load_model(tiny_checkpoint).eval(), tokenizer, world)
+    params = sampling_params(cfg, greedy=False)
+    sampled = engine.generate(tasks, params, group_size=3, seed=args.seed * 1_000_003)
+    replayed = engine.replay(tasks, params)
+    want = [e for k in range(2) for e in (*sampled[3 * k:3 * k + 3], replayed[k])]
+    assert [r[0] for r in rows] == [e.task_id for e in want]
+    for (task_id, ids, mask), ep in zip(rows, want):
+        assert ids == ep.tokens[ep.prompt_len:] and mask == ep.loss_mask[ep.prompt_len:]
+    assert out["expert"].tolist() == [False, False, False, True] * 2
+    assert all(e.success for e in replayed) and len(replayed[0].turns) > 1  # a multi-turn ground truth
+    log = trainer.state.log_history[0]
+    assert log["reward"] == pytest.approx(sum(e.success for e in want) / 8) and log["sup/expert_rows"] == 2
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    own = sum(t == im_end and m for ep in sampled for t, m in zip(ep.tokens, ep.loss_mask))  # the policy's own tokens
+    assert log.get("ctrl/im_end/n_sampled", 0) == own
+    assert any((model.state_dict()[k] != v).any() for k, v in before.items())  # the step trained
+
+
+@pytest.mark.slow
+def test_bfcl_multi_turn_runs_in_trl_through_our_engine_its_later_user_turns_masked_out(tmp_path):
+    """BFCL multi-turn in GRPOTrainer via engine_rollouts: an OPS row is the ground truth of a task with
+    several user turns, played against BFCL's real backends -- the later user turns and the tool replies
+    are context (env_mask 0), exactly as in our engine's replay, and BFCL's state check rewards it 1."""
+    pytest.importorskip("bfcl_eval", reason="env: bfcl needs `pip install --no-deps bfcl-eval`")
+    pytest.importorskip("mpmath", reason="env: bfcl needs the [bfcl] extra")
+    from toolcollapse.chat import PieceEncoder, conversation_pieces
+    from toolcollapse.config import load_config
+    from toolcollapse.envs import make_env
+    from toolcollapse.evaluate import sampling_params
+    from toolcollapse.integrations.trl import MonitoredGRPOTrainer, engine_rollouts, episode_success, task_dataset
+    from toolcollapse.model import build_model
+    from toolcollapse.rollout import RolloutEngine
+    from toolcollapse.tokenizer import train_tokenizer
+
+    cfg = load_config("configs/tiny_rl.yaml", ["env=bfcl", "model.max_seq_len=4096", "rollout.max_turns=12",
+                                               "rollout.max_new_tokens=160"])
+    env = make_env(cfg)
+    tokenizer = train_tokenizer(env.tokenizer_corpus(30), 2048)
+    encoder = PieceEncoder(tokenizer)
+    params = sampling_params(cfg, greedy=False)
+    engine = RolloutEngine(build_model("tiny", len(tokenizer), 4096, tokenizer.pad_token_id, tokenizer.eos_token_id,
+                                       0), tokenizer, env)
+    short = [t for t in env.tasks("train") if t.meta["n_turns"] >= 2
+             and len(encoder.encode(conversation_pieces(t.prompt, True))[0]) < 2500]
+    task = next(t for t in short if engine.replay([t], params)[0].success)
+    model = build_model("tiny", len(tokenizer), 4096, tokenizer.pad_token_id, tokenizer.eos_token_id, 0)
+    data = task_dataset(cfg, "train").filter(lambda row: row["task_id"] == task.id)
+    trainer = _keeping(MonitoredGRPOTrainer)(
+        model=model, reward_funcs=episode_success, args=_tool_world_args(tmp_path, per_device_train_batch_size=2),
+        train_dataset=data, processing_class=tokenizer, rollout_func=engine_rollouts(cfg, tokenizer, tasks=[task]),
+        ops=1)
+    trainer.train()
+    inputs, out, rows = _engine_rows(trainer)
+    (replayed,) = RolloutEngine(model, tokenizer, env).replay([task], params)
+    assert rows[1] == (task.id, replayed.tokens[replayed.prompt_len:], replayed.loss_mask[replayed.prompt_len:])
+    completion = tokenizer.decode(rows[1][1])
+    assert completion.count("<|im_start|>user") >= task.meta["n_turns"] - 1  # the later user turns are in it...
+    user_at = [i for i, t in enumerate(rows[1][1]) if t == tokenizer.convert_tokens_to_ids("<|im_start|>")]
+    assert all(rows[1][2][i] == 0 for i in user_at)  # ...as context
+    assert out["expert"].tolist() == [False, True] and inputs[1]["success"] == 1.0  # BFCL's state check
+    log = trainer.state.log_history[0]
+    assert log["rewards/episode_success/mean"] == pytest.approx((inputs[0]["success"] + 1.0) / 2)

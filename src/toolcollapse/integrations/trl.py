@@ -55,11 +55,12 @@ reads a monitored TRL run as it reads one of ours.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,22 @@ def _from_rank_zero(value: Any) -> Any:
     box = [value]
     broadcast_object_list(box, from_process=0)
     return box[0]
+
+
+@contextlib.contextmanager
+def _generation_model(trainer: Any) -> Iterator[Any]:
+    """The trainer's plain model, whole, as TRL's own generation takes it (grpo_trainer.py, transformers
+    path): `unwrap_model_for_generation` (ZeRO-3 gathers the shards) and FSDP's full parameters. Every
+    rank must enter (the gathers are collectives)."""
+    from trl.models.utils import unwrap_model_for_generation
+
+    t, args = trainer, trainer.args
+    dist = getattr(t, "_dist", None)
+    with (unwrap_model_for_generation(t.model_wrapped, t.accelerator,
+                                      gather_deepspeed3_params=args.ds3_gather_for_generation,
+                                      gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs) as unwrapped,
+          dist.summon_full_params(t.model_wrapped, recurse=False) if dist else contextlib.nullcontext()):
+        yield unwrapped
 
 
 # ----------------------------------------------------------------------------- the training forward's statistics
@@ -340,19 +357,8 @@ class ControlTokenCallback(TrainerCallback):
     def _run_probe(self, model: Any) -> dict[str, float]:
         if self.trainer is None:
             return run_probe(model, self.probe, self.token_ids, self.temperature)
-        import contextlib
-
-        from trl.models.utils import unwrap_model_for_generation
-
-        # every rank enters (ZeRO-3 and FSDP gather the shards collectively), each computes; rank 0's values
-        # count. The same context as TRL's own generation (grpo_trainer.py, transformers generation path)
-        t, args = self.trainer, self.trainer.args
-        dist = getattr(t, "_dist", None)
-        with (unwrap_model_for_generation(t.model_wrapped, t.accelerator,
-                                          gather_deepspeed3_params=args.ds3_gather_for_generation,
-                                          gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
-              as unwrapped,
-              dist.summon_full_params(t.model_wrapped, recurse=False) if dist else contextlib.nullcontext()):
+        # every rank enters (ZeRO-3 and FSDP gather the shards collectively), each computes; rank 0's values count
+        with _generation_model(self.trainer) as unwrapped:
             return run_probe(unwrapped, self.probe, self.token_ids, self.temperature)
 
     # -- alarms ----------------------------------------------------------------------------------------
@@ -422,9 +428,12 @@ class MonitoredGRPOTrainer(GRPOTrainer):
         if hbg and hint_column not in (self.train_dataset.column_names or ()):
             raise ValueError(f"hbg needs the training dataset's {hint_column!r} column (each prompt with its hint); "
                              f"it has {self.train_dataset.column_names}")
+        if hbg and self.rollout_func is not None:
+            raise ValueError("hbg with a rollout_func: not supported yet (OPS is: engine_rollouts replays its rows)")
         if ops and self.use_vllm:
             raise ValueError("ops with use_vllm: the expert rows have no vLLM sampling log-probs; not supported yet")
-        if (sft_coef > 0 or ops) and reference_column not in (self.train_dataset.column_names or ()):
+        if (sft_coef > 0 or (ops and self.rollout_func is None)) and reference_column not in (
+                self.train_dataset.column_names or ()):
             raise ValueError(f"sft_coef and ops need the training dataset's {reference_column!r} column (the "
                              f"ground-truth completion of each prompt); it has {self.train_dataset.column_names}")
         self.ops, self.ops_shaping, self.luffy_gamma = ops, ops_shaping, luffy_gamma
@@ -452,12 +461,15 @@ class MonitoredGRPOTrainer(GRPOTrainer):
         sampled from their hinted prompt (HBG). A group is G contiguous rows of the global batch."""
         if not ((self.ops or self.hbg) and self.model.training):
             return super()._generate(prompts)
-        if any(not isinstance(p, str) for p in prompts):
-            raise ValueError("ops and hbg: conversational prompts are not supported yet; give text prompts")
         g, first = self.num_generations, self.accelerator.process_index * len(prompts)
         place = [(first + i) % g for i in range(len(prompts))]
         self._expert = torch.tensor([j >= g - self.ops for j in place])
         self._hinted = torch.tensor([g - self.ops - self.hbg <= j < g - self.ops for j in place])
+        if self.rollout_func is not None:  # engine_rollouts replays the expert rows itself (multi-turn OPS)
+            return super()._generate(prompts)
+        if any(not isinstance(p, str) for p in prompts):
+            raise ValueError("ops and hbg with TRL's generation: text prompts only (conversational prompts and "
+                             "multi-turn OPS: rollout_func=engine_rollouts(...))")
         sampled_from = [self._inputs[i][self.hint_column] if h else p
                         for i, (p, h) in enumerate(zip(prompts, self._hinted.tolist()))]
         prompt_ids, completion_ids, tool_mask, completions, logprobs, *rest = super()._generate(sampled_from)
@@ -898,6 +910,96 @@ def tool_world_environment(cfg: RunConfig) -> Any:
     cls = type("ToolWorldEnvironment", (), {"reset": reset, "_call": _call, "world": world, "task": None, **methods,
                                            "__doc__": "The tool world, one task at a time (toolcollapse)."})
     return cls
+
+
+# ----------------------------------------------------------------------------- our rollout engine inside TRL
+
+
+def task_dataset(cfg: RunConfig, split: str = "train", n: int | None = None) -> Any:
+    """The split's tasks of any of our environments (the tool world, BFCL multi-turn) as TRL rows for
+    `engine_rollouts`: `prompt` (the task's messages: its system prompt with the tool docs, the first user
+    turn) and `task_id`."""
+    from datasets import Dataset
+
+    from toolcollapse.envs import make_env
+
+    return Dataset.from_list([{"prompt": [{"role": m.role, "content": m.content} for m in t.prompt], "task_id": t.id}
+                              for t in make_env(cfg).tasks(split, n)])
+
+
+def _prompt_key(prompt: Any) -> int:
+    if isinstance(prompt, str):
+        return hash(prompt)
+    return hash(tuple((m["role"], m["content"]) for m in prompt))
+
+
+def engine_rollouts(cfg: RunConfig, tokenizer: Any, split: str = "train", tasks: Sequence[Any] | None = None) -> Any:
+    """A TRL `rollout_func` in which toolcollapse's own engine plays the batch's episodes, on any of our
+    environments (`cfg.env`): the tool world, and BFCL multi-turn, whose later user turns TRL's tool loop
+    cannot play (it ends a rollout at the first reply without a call). The rows' prompts must be the tasks'
+    (`task_dataset(cfg, split)`; `tasks` or the whole `split` are looked up). Rollouts take `cfg.rollout`'s
+    limits (turns, tokens per turn, context) and the KV-cached engine (one prefill per prompt and group, the
+    shared system prompt attended once); TRL's `temperature` must equal `rollout.temperature` (the
+    log-probs the engine returns are at it). Returns, per row, the prompt and completion ids, `env_mask` (1
+    where the policy sampled: TRL's loss and our monitor see only those), the sampling log-probs, and for
+    reward functions `success` (the environment's verdict: `episode_success`) and `finish`. The OPS rows of
+    a `MonitoredGRPOTrainer` (`ops`) are the task's ground truth replayed, its tool replies really run
+    (`RolloutEngine.replay`, as `toolcollapse rl` builds OPS's expert rows)."""
+    from toolcollapse.envs import make_env
+    from toolcollapse.evaluate import sampling_params
+    from toolcollapse.rollout import RolloutEngine
+
+    env = make_env(cfg)
+    index: dict[int, Any] = {}
+    for t in (tasks if tasks is not None else env.tasks(split)):
+        index[_prompt_key([{"role": m.role, "content": m.content} for m in t.prompt])] = t
+    params = sampling_params(cfg, greedy=False)
+
+    def rollout(prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
+        if abs(trainer.temperature - params.temperature) > 1e-9:
+            raise ValueError(f"engine_rollouts: GRPOConfig.temperature {trainer.temperature} differs from the run "
+                             f"config's rollout.temperature {params.temperature}; set them equal")
+        rows = [index.get(_prompt_key(p)) for p in prompts]
+        if any(t is None for t in rows):
+            raise ValueError("engine_rollouts: a prompt that is none of the tasks' (build the dataset with "
+                             f"task_dataset(cfg, {split!r}), or pass the tasks)")
+        expert = getattr(trainer, "_expert", None)
+        expert = expert.tolist() if expert is not None and len(expert) == len(rows) else [False] * len(rows)
+        sampled = [i for i, e in enumerate(expert) if not e]
+        # G contiguous rows of a task: one prefill, its cache repeated (the engine's groups)
+        runs = [(k, len(list(g))) for k, g in itertools.groupby(rows[i].id for i in sampled)]
+        group = runs[0][1] if runs and len({n for _, n in runs}) == 1 else 1
+        step, rank = trainer.state.global_step, trainer.accelerator.process_index
+        seed = (trainer.args.seed * 1_000_003 + step * 1_009 + rank) % 2**63
+        episodes: dict[int, Any] = {}
+        with _generation_model(trainer) as model:
+            engine = RolloutEngine(model, tokenizer, env, cfg.rollout.call_end, cfg.rollout.shared_prefix_attention,
+                                   cfg.rollout.compact_finished_rows)
+            own = engine.generate([rows[i] for i in sampled[::group]], params, group_size=group, seed=seed)
+            episodes.update(zip(sampled, own))
+            replayed = [i for i, e in enumerate(expert) if e]
+            episodes.update(zip(replayed, engine.replay([rows[i] for i in replayed], params)))
+        out: dict[str, list[Any]] = {k: [] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask", "success",
+                                                    "finish")}
+        for i in range(len(rows)):
+            ep = episodes[i]
+            n = ep.prompt_len
+            out["prompt_ids"].append(ep.tokens[:n])
+            out["completion_ids"].append(ep.tokens[n:])
+            out["logprobs"].append(ep.logprobs[n:])
+            out["env_mask"].append(ep.loss_mask[n:])
+            out["success"].append(float(ep.success))
+            out["finish"].append(ep.finish)
+        return out
+
+    return rollout
+
+
+def episode_success(completions: list[Any], success: list[float] | None = None, **_: Any) -> list[float]:
+    """The environment's verdict on each episode `engine_rollouts` played: 1 solved, else 0."""
+    if success is None:
+        raise ValueError("episode_success needs the rollouts of engine_rollouts (rollout_func=engine_rollouts(...))")
+    return [float(x) for x in success]
 
 
 def tool_world_dataset(cfg: RunConfig, split: str = "train", n: int | None = None,
