@@ -314,7 +314,7 @@ def test_the_tool_world_as_a_trl_environment_runs_the_real_tools_with_the_schema
         right = [{"role": "assistant", "content": f"The answer is {task.answer}."}]
         assert tool_world_reward([right, [{"role": "assistant", "content": "The answer is 0."}]], [env, env]) == [1, 0]
     assert getattr(env, "kb_lookup")(entity="Nowhere", attribute="area_km2").startswith('{"error"')
-    with pytest.raises(KeyError, match="not a task of this tool world"):
+    with pytest.raises(KeyError, match="not a task of this toolworld environment"):
         env.reset(task_id="train-99999")
 
 
@@ -454,7 +454,7 @@ def test_ets_and_prs_phases_through_trl_train_on_the_examples_rl_builds_from_the
     from toolcollapse.config import load_config
     from toolcollapse.envs import make_env
     from toolcollapse.evaluate import sampling_params
-    from toolcollapse.integrations.trl import (tool_world_dataset, tool_world_environment, tool_world_phases,
+    from toolcollapse.integrations.trl import (tool_world_dataset, tool_world_environment, rl_phase_data,
                                                tool_world_reward, train_interleaved)
     from toolcollapse.interleave import Failure, judged, phase_examples
     from toolcollapse.judge import deterministic_judge
@@ -493,7 +493,7 @@ def test_ets_and_prs_phases_through_trl_train_on_the_examples_rl_builds_from_the
         return SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
 
     (phase,) = train_interleaved(make_grpo, make_sft, rounds=1, window=1,
-                                 phase_data=tool_world_phases(cfg, tokenizer, prs_target=prs_target))
+                                 phase_data=rl_phase_data(cfg, tokenizer, prs_target=prs_target))
     # what rl builds: the failed rollouts replayed by our engine, judged, encoded
     failed = [dataclasses.replace(t, reference=tuple(m for m in msgs)) for t, msgs in zip(tasks[:2], turns[:2])]
     episodes = RolloutEngine(model, tokenizer, world).replay(failed, sampling_params(cfg, greedy=True))
@@ -570,11 +570,11 @@ def _keeping(cls):
     return Keeping
 
 
-def test_our_engine_as_trl_s_rollout_func_plays_the_episodes_it_plays_in_rl_and_replays_ops_rows(
-        tmp_path, tiny_checkpoint):
-    """engine_rollouts inside GRPOTrainer: the sampled rows are the episodes our engine samples with the same
-    seed (ids, loss masks, rewards), the last row of each group is the ground truth replayed with its tool
-    replies really run (OPS), and the monitor leaves that row out."""
+def test_our_engine_as_trl_s_rollout_func_plays_the_rows_rl_plays_hbg_and_ops_included(tmp_path, tiny_checkpoint):
+    """engine_rollouts inside GRPOTrainer, a group of 4 = 2 policy rows, 1 HBG row, 1 OPS row, as
+    `supervision.group_rollouts` builds them in rl: the sampled rows are the episodes our engine samples with
+    the same seed (the hinted one from the hinted prompt, returned on the plain one), the OPS row is the
+    ground truth replayed with its tool replies really run, and the monitor watches the policy's rows only."""
     from transformers import AutoTokenizer
 
     from toolcollapse.config import load_config
@@ -583,6 +583,7 @@ def test_our_engine_as_trl_s_rollout_func_plays_the_episodes_it_plays_in_rl_and_
     from toolcollapse.integrations.trl import MonitoredGRPOTrainer, engine_rollouts, episode_success, task_dataset
     from toolcollapse.model import load_model
     from toolcollapse.rollout import RolloutEngine
+    from toolcollapse.supervision import hint, with_hint, without_hint
 
     cfg = load_config("configs/tiny_rl.yaml", ["world.n_train=2000", "world.n_test=200", "world.n_ood=150",
                                                "rollout.max_turns=8", "rollout.max_new_tokens=96"])
@@ -593,25 +594,34 @@ def test_our_engine_as_trl_s_rollout_func_plays_the_episodes_it_plays_in_rl_and_
     args = _tool_world_args(tmp_path, num_generations=4)
     trainer = _keeping(MonitoredGRPOTrainer)(
         model=model, reward_funcs=episode_success, args=args, train_dataset=task_dataset(cfg, "train", 2),
-        processing_class=tokenizer, rollout_func=engine_rollouts(cfg, tokenizer, tasks=tasks), ops=1)
+        processing_class=tokenizer, rollout_func=engine_rollouts(cfg, tokenizer, tasks=tasks), ops=1, hbg=1)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     trainer.train()
     inputs, out, rows = _engine_rows(trainer)
-    # what our engine plays from the same weights and seed: 3 sampled episodes of each task, and the replay
+    # what our engine plays from the same weights and seed: per task 2 samples and 1 from the hinted prompt
+    # (one batch, group size 1, as in rl), the hinted one re-based on the plain prompt; and the replay
     engine = RolloutEngine(load_model(tiny_checkpoint).eval(), tokenizer, world)
     params = sampling_params(cfg, greedy=False)
-    sampled = engine.generate(tasks, params, group_size=3, seed=args.seed * 1_000_003)
+    h = cfg.supervision.hbg
+    prompts = [x for t in tasks for x in (t, t, with_hint(t, hint(t, h.level, h.calls)))]
+    sampled = engine.generate(prompts, params, group_size=1, seed=args.seed * 1_000_003)
+    sampled = [without_hint(e, engine.prompt_ids(tasks[i // 3])) if i % 3 == 2 else e for i, e in enumerate(sampled)]
     replayed = engine.replay(tasks, params)
     want = [e for k in range(2) for e in (*sampled[3 * k:3 * k + 3], replayed[k])]
     assert [r[0] for r in rows] == [e.task_id for e in want]
-    for (task_id, ids, mask), ep in zip(rows, want):
+    for i, ((task_id, ids, mask), ep) in enumerate(zip(rows, want)):
+        assert out["prompt_ids"][i][out["prompt_mask"][i].bool()].tolist() == ep.tokens[:ep.prompt_len]
         assert ids == ep.tokens[ep.prompt_len:] and mask == ep.loss_mask[ep.prompt_len:]
     assert out["expert"].tolist() == [False, False, False, True] * 2
+    assert out["hinted"].tolist() == [False, False, True, False] * 2
+    assert len(engine.prompt_ids(prompts[2])) > len(engine.prompt_ids(tasks[0]))  # it sampled with the hint
     assert all(e.success for e in replayed) and len(replayed[0].turns) > 1  # a multi-turn ground truth
     log = trainer.state.log_history[0]
-    assert log["reward"] == pytest.approx(sum(e.success for e in want) / 8) and log["sup/expert_rows"] == 2
+    assert log["reward"] == pytest.approx(sum(e.success for e in want) / 8)
+    assert log["sup/expert_rows"] == 2 and log["sup/hinted_rows"] == 2
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    own = sum(t == im_end and m for ep in sampled for t, m in zip(ep.tokens, ep.loss_mask))  # the policy's own tokens
+    policy = [e for i, e in enumerate(sampled) if i % 3 != 2]
+    own = sum(t == im_end and m for ep in policy for t, m in zip(ep.tokens, ep.loss_mask))  # the policy's own
     assert log.get("ctrl/im_end/n_sampled", 0) == own
     assert any((model.state_dict()[k] != v).any() for k, v in before.items())  # the step trained
 
@@ -660,3 +670,30 @@ def test_bfcl_multi_turn_runs_in_trl_through_our_engine_its_later_user_turns_mas
     assert out["expert"].tolist() == [False, True] and inputs[1]["success"] == 1.0  # BFCL's state check
     log = trainer.state.log_history[0]
     assert log["rewards/episode_success/mean"] == pytest.approx((inputs[0]["success"] + 1.0) / 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rollouts", ["tool_loop", "engine"])
+def test_the_trl_example_script_trains_with_the_monitor_runs_a_prs_phase_and_diagnose_reads_it(
+        tmp_path, tiny_checkpoint, rollouts):
+    """examples/trl_grpo.py end to end on the random tiny model: two GRPO steps (TRL's tool loop, or our
+    engine with an OPS row per group), the probe at both, a PRS phase on the failed tasks (every sampled
+    rollout of a random model fails), and `toolcollapse diagnose` on the output directory."""
+    out = tmp_path / "out"
+    sets = ["world.n_train=2000", "world.n_test=200", "world.n_ood=150", "grpo.prompts_per_step=2",
+            "grpo.group_size=2", "monitor.probe_size=4", "monitor.probe_every=1", "rollout.max_turns=2",
+            "rollout.max_new_tokens=16"]
+    cmd = [sys.executable, "examples/trl_grpo.py", "--checkpoint", str(tiny_checkpoint), "--config",
+           "configs/tiny_rl.yaml", *[a for s in sets for a in ("--set", s)], "--steps", "2", "--rounds", "1",
+           "--prs", "reflection", "--out", str(out), "--rollouts", rollouts,
+           *(["--ops", "1"] if rollouts == "engine" else [])]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    monitored = [json.loads(line) for line in (out / "monitor.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in monitored if "probe/im_end/miss_required" in r}) == [0, 1]
+    assert {r["step"] for r in monitored if "healthy_rate" in r} == {0, 1}
+    (phase,) = [json.loads(line) for line in (out / "phases.jsonl").read_text().splitlines()]
+    assert phase["tasks"] == 4 and phase["phase/prs_examples"] == 4 and phase["phase/steps"] == 2
+    diagnose = subprocess.run([sys.executable, "-m", "toolcollapse", "diagnose", str(out)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+    assert diagnose.returncode == 0, diagnose.stderr[-3000:]

@@ -158,7 +158,7 @@ def _diagnose(args: argparse.Namespace) -> int:
     from toolcollapse import diagnose
 
     path = Path(args.path)
-    if path.is_dir() and ((path / "metrics.jsonl").is_file() or (path / "config.yaml").is_file()):
+    if path.is_dir() and any((path / f).is_file() for f in ("metrics.jsonl", "config.yaml", "monitor.jsonl")):
         d = diagnose.diagnose_run(path, args.out, figures=not args.no_figures)
         print(diagnose.format_run(d))
         out = Path(args.out) if args.out else path / "diagnose"

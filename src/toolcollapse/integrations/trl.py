@@ -30,12 +30,15 @@ toolcollapse brings its monitor, its diagnosis and its supervision signals:
   - HBG: the `hbg` rows before them sample from the dataset's `hinted_prompt` column (e.g.
     `supervision.hint` in a system message) and train on the plain prompt: their prompt ids are the plain
     ones, so TRL's old log-probs, where it computes them, are the hint-free ones (first ratio 1);
-  - expert and hinted rows stay out of `ctrl/*` (expert), the four states and the failures ETS collects;
-    OPS and HBG take text prompts.
+  - expert and hinted rows stay out of `ctrl/*`, the four states and the failures ETS collects;
+    with TRL's generation OPS and HBG take text prompts (multi-turn, any prompt: `engine_rollouts`).
 - `train_interleaved`: ETS and PRS with TRL's own trainers, GRPO rounds and `SFTTrainer` phases on the
-  same model; on the tool world (`tool_world_phases`) the phases train on the examples `toolcollapse rl`
-  builds, token for token: each failed task's ground truth, and PRS's from the judge's verdict on the failed
-  rollout of TRL's tool loop (`rollout_episode` rebuilds it as our Episode).
+  same model; with `rl_phase_data` the phases train on the examples `toolcollapse rl` builds, token for
+  token: each failed task's ground truth, and PRS's from the judge's verdict on the failed rollout
+  (TRL's tool loop's or `engine_rollouts`'; `rollout_episode` rebuilds it as our Episode).
+- `engine_rollouts` (with `task_dataset`, `episode_success`): our rollout engine as TRL's `rollout_func`, on
+  any of our environments -- BFCL multi-turn included, whose later user turns TRL's tool loop cannot play
+  -- with OPS's expert rows replayed (the ground truth, its tool calls really run), as `rl` builds them.
 - `tool_world_environment`, `tool_world_dataset`, `tool_world_reward`: the tool world for TRL's own
   multi-turn tool loop (`environment_factory`): one method per tool, its signature and docstring from the
   tool's JSON schema, each call run by the world's sandboxed tools. A model trained by toolcollapse runs
@@ -425,11 +428,9 @@ class MonitoredGRPOTrainer(GRPOTrainer):
         if ops < 0 or hbg < 0 or ops + hbg >= self.num_generations:
             raise ValueError(f"ops={ops}, hbg={hbg}: a group of num_generations={self.num_generations} keeps at least "
                              "one row of the policy's own")
-        if hbg and hint_column not in (self.train_dataset.column_names or ()):
+        if hbg and self.rollout_func is None and hint_column not in (self.train_dataset.column_names or ()):
             raise ValueError(f"hbg needs the training dataset's {hint_column!r} column (each prompt with its hint); "
                              f"it has {self.train_dataset.column_names}")
-        if hbg and self.rollout_func is not None:
-            raise ValueError("hbg with a rollout_func: not supported yet (OPS is: engine_rollouts replays its rows)")
         if ops and self.use_vllm:
             raise ValueError("ops with use_vllm: the expert rows have no vLLM sampling log-probs; not supported yet")
         if (sft_coef > 0 or (ops and self.rollout_func is None)) and reference_column not in (
@@ -465,7 +466,7 @@ class MonitoredGRPOTrainer(GRPOTrainer):
         place = [(first + i) % g for i in range(len(prompts))]
         self._expert = torch.tensor([j >= g - self.ops for j in place])
         self._hinted = torch.tensor([g - self.ops - self.hbg <= j < g - self.ops for j in place])
-        if self.rollout_func is not None:  # engine_rollouts replays the expert rows itself (multi-turn OPS)
+        if self.rollout_func is not None:  # engine_rollouts plays the expert and hinted rows itself (multi-turn)
             return super()._generate(prompts)
         if any(not isinstance(p, str) for p in prompts):
             raise ValueError("ops and hbg with TRL's generation: text prompts only (conversational prompts and "
@@ -494,6 +495,7 @@ class MonitoredGRPOTrainer(GRPOTrainer):
         self._keep_failed_rollouts(out)
         mask = _loss_mask(out)
         out["expert"] = self._expert.to(mask.device)
+        out["hinted"] = self._hinted.to(mask.device)
         self.supervision.count("expert_rows", float(self._expert.sum()))
         self.supervision.count("hinted_rows", float(self._hinted.sum()))
         own = ~(out["expert"] | self._hinted.to(mask.device))  # the policy's own samples
@@ -630,7 +632,11 @@ class MonitoredGRPOTrainer(GRPOTrainer):
                 else:
                     tokens = inputs["completion_mask"].sum().clamp(min=1)
                     loss = loss + shaped.sum() / tokens / self.current_gradient_accumulation_steps
-            mask = _loss_mask(inputs) * ~expert[:, None]  # the monitor watches the policy's own samples
+            # the monitor watches the policy's own samples: not the expert rows, not the hinted ones (sampled
+            # from another prompt: their sampling log-probs, where the rollout gives them, are not this one's)
+            hinted = inputs.get("hinted")
+            own = ~(expert | hinted) if hinted is not None else ~expert
+            mask = _loss_mask(inputs) * own[:, None]
             # the sampling policy's log-prob: vLLM's when TRL has it, else the old policy's, else (one update
             # per generation, on-policy) the current one's, as TRL's own loss takes it
             old = inputs.get("sampling_per_token_logps")
@@ -664,7 +670,7 @@ def train_interleaved(make_grpo: Any, make_sft: Any, rounds: int, window: int,
 
     `phase_data(failures) -> (dataset, trained tokens per epoch)` builds the phase's data from the round's
     failures (each task's newest): by default `reference_rows` (prompt/completion text rows from the dataset's
-    reference column: train the completion only); for the tool world, `tool_world_phases(cfg, tokenizer,
+    reference column: train the completion only); for our environments, `rl_phase_data(cfg, tokenizer,
     prs_target=...)`: our own examples, token for token, PRS's included (pre-tokenized rows, `labels` -100
     where nothing is trained, which SFTTrainer takes as they are).
 
@@ -714,8 +720,8 @@ def reference_rows(failures: list[dict[str, Any]], tokenizer: Any) -> tuple[Any,
     from datasets import Dataset
 
     if any(f.get("reference") is None for f in failures):
-        raise ValueError("ETS phases from reference rows need the training dataset's reference column; for the "
-                         "tool world pass phase_data=tool_world_phases(cfg, tokenizer)")
+        raise ValueError("ETS phases from reference rows need the training dataset's reference column; for our "
+                         "environments pass phase_data=rl_phase_data(cfg, tokenizer)")
     rows = [{"prompt": f["prompt"], "completion": f["reference"]} for f in failures]
     tokens = sum(len(tokenizer(r["completion"], add_special_tokens=False)["input_ids"]) for r in rows)
     return Dataset.from_list(rows), tokens, {}
@@ -761,10 +767,10 @@ def rollout_episode(task: Any, prompt_ids: Any, completion_ids: Any, sampled: An
     return ep
 
 
-def tool_world_phases(cfg: RunConfig, tokenizer: Any, prs_target: str | None = None, judge: Any = None,
-                      call_end: str = "template", max_len: int | None = None) -> Any:
-    """`phase_data` for `train_interleaved` on the tool world (rows with `task_id`): the phase's examples as
-    `toolcollapse rl` builds them (`interleave.phase_examples`): each failed task's ground truth (ETS) and,
+def rl_phase_data(cfg: RunConfig, tokenizer: Any, prs_target: str | None = None, judge: Any = None,
+                  call_end: str = "template", max_len: int | None = None) -> Any:
+    """`phase_data` for `train_interleaved` on any of our environments (rows with `task_id`: from
+    `tool_world_dataset` or `task_dataset`): the phase's examples as `toolcollapse rl` builds them (`interleave.phase_examples`): each failed task's ground truth (ETS) and,
     with `prs_target` (reflection or correction), one example per failure from the judge's verdict on its
     rollout (`judge`: default the deterministic one), rebuilt with `rollout_episode`. Rows are
     pre-tokenized: `input_ids` and `labels` (-100 where the example trains nothing)."""
@@ -787,7 +793,7 @@ def tool_world_phases(cfg: RunConfig, tokenizer: Any, prs_target: str | None = N
 
     def build(failures: list[dict[str, Any]]) -> tuple[Any, int, dict[str, float]]:
         if any(f.get("task_id") is None for f in failures):
-            raise ValueError("tool_world_phases needs each row's task_id: train on tool_world_dataset rows")
+            raise ValueError("rl_phase_data needs each row's task_id: train on tool_world_dataset or task_dataset rows")
         tasks = {f["task_id"]: task(f["task_id"]) for f in failures}
         ours = []
         for f in failures:
@@ -868,16 +874,19 @@ def _tool_method(spec: Any) -> Any:
     return method
 
 
-def _task_lookup(world: Any, cfg: RunConfig) -> Any:
-    """task_id -> the world's Task (each split loaded when first asked for)."""
+def _task_lookup(env: Any, cfg: RunConfig) -> Any:
+    """task_id -> the environment's Task (each split loaded when first needed: the tool world's ids name
+    theirs, <split>-<index>; otherwise the splits are searched in order)."""
     tasks: dict[str, Any] = {}
 
     def task(task_id: str) -> Any:
-        split = task_id.rsplit("-", 1)[0]  # ids are <split>-<index>
-        if task_id not in tasks and split in world.splits:
-            tasks.update({t.id: t for t in world.tasks(split)})
+        guess = task_id.rsplit("-", 1)[0]
+        for split in ([guess] if guess in env.splits else []) + [s for s in env.splits if s != guess]:
+            if task_id in tasks:
+                break
+            tasks.update({t.id: t for t in env.tasks(split)})
         if task_id not in tasks:
-            raise KeyError(f"task {task_id!r} is not a task of this tool world (world.seed {cfg.world.seed})")
+            raise KeyError(f"task {task_id!r} is not a task of this {env.name} environment (see the run config)")
         return tasks[task_id]
 
     return task
@@ -915,16 +924,23 @@ def tool_world_environment(cfg: RunConfig) -> Any:
 # ----------------------------------------------------------------------------- our rollout engine inside TRL
 
 
-def task_dataset(cfg: RunConfig, split: str = "train", n: int | None = None) -> Any:
-    """The split's tasks of any of our environments (the tool world, BFCL multi-turn) as TRL rows for
-    `engine_rollouts`: `prompt` (the task's messages: its system prompt with the tool docs, the first user
-    turn) and `task_id`."""
+def task_rows(tasks: Sequence[Any], system_prompt: bool = True) -> Any:
+    """Our Tasks as TRL rows: `prompt` (the task's messages: its system prompt documenting the tools and the
+    first user turn; without `system_prompt`, the user turn alone, for a chat template that renders the
+    tools itself), `task_id` (what `engine_rollouts` and the environment's `reset` look up) and `answer`."""
     from datasets import Dataset
 
+    return Dataset.from_list([{"prompt": [{"role": m.role, "content": m.content}
+                                          for m in (t.prompt if system_prompt else t.prompt[-1:])],
+                               "task_id": t.id, "answer": t.answer} for t in tasks])
+
+
+def task_dataset(cfg: RunConfig, split: str = "train", n: int | None = None) -> Any:
+    """The split's tasks of any of our environments (the tool world, BFCL multi-turn) as TRL rows for
+    `engine_rollouts` (`task_rows`)."""
     from toolcollapse.envs import make_env
 
-    return Dataset.from_list([{"prompt": [{"role": m.role, "content": m.content} for m in t.prompt], "task_id": t.id}
-                              for t in make_env(cfg).tasks(split, n)])
+    return task_rows(make_env(cfg).tasks(split, n))
 
 
 def _prompt_key(prompt: Any) -> int:
@@ -944,10 +960,13 @@ def engine_rollouts(cfg: RunConfig, tokenizer: Any, split: str = "train", tasks:
     where the policy sampled: TRL's loss and our monitor see only those), the sampling log-probs, and for
     reward functions `success` (the environment's verdict: `episode_success`) and `finish`. The OPS rows of
     a `MonitoredGRPOTrainer` (`ops`) are the task's ground truth replayed, its tool replies really run
-    (`RolloutEngine.replay`, as `toolcollapse rl` builds OPS's expert rows)."""
+    (`RolloutEngine.replay`, as `toolcollapse rl` builds OPS's expert rows); its HBG rows (`hbg`) sample
+    with the hint `supervision.hbg` templates from the ground truth (its `level`, `calls`) in the system
+    message and return the hint-free prompt to train on, as `rl` does (`supervision.group_rollouts`)."""
     from toolcollapse.envs import make_env
     from toolcollapse.evaluate import sampling_params
     from toolcollapse.rollout import RolloutEngine
+    from toolcollapse.supervision import hint, with_hint, without_hint
 
     env = make_env(cfg)
     index: dict[int, Any] = {}
@@ -963,20 +982,26 @@ def engine_rollouts(cfg: RunConfig, tokenizer: Any, split: str = "train", tasks:
         if any(t is None for t in rows):
             raise ValueError("engine_rollouts: a prompt that is none of the tasks' (build the dataset with "
                              f"task_dataset(cfg, {split!r}), or pass the tasks)")
-        expert = getattr(trainer, "_expert", None)
-        expert = expert.tolist() if expert is not None and len(expert) == len(rows) else [False] * len(rows)
+        def flags(name: str) -> list[bool]:  # a MonitoredGRPOTrainer's OPS / HBG rows of this batch
+            value = getattr(trainer, name, None)
+            return value.tolist() if value is not None and len(value) == len(rows) else [False] * len(rows)
+
+        expert, hinted = flags("_expert"), flags("_hinted")
         sampled = [i for i, e in enumerate(expert) if not e]
-        # G contiguous rows of a task: one prefill, its cache repeated (the engine's groups)
-        runs = [(k, len(list(g))) for k, g in itertools.groupby(rows[i].id for i in sampled)]
-        group = runs[0][1] if runs and len({n for _, n in runs}) == 1 else 1
+        h = cfg.supervision.hbg
+        prompts = [with_hint(rows[i], hint(rows[i], h.level, h.calls)) if hinted[i] else rows[i] for i in sampled]
+        # G contiguous rows of a prompt: one prefill, its cache repeated (the engine's groups)
+        runs = [len(list(g)) for _, g in itertools.groupby((rows[i].id, hinted[i]) for i in sampled)]
+        group = runs[0] if runs and len(set(runs)) == 1 else 1
         step, rank = trainer.state.global_step, trainer.accelerator.process_index
         seed = (trainer.args.seed * 1_000_003 + step * 1_009 + rank) % 2**63
         episodes: dict[int, Any] = {}
         with _generation_model(trainer) as model:
             engine = RolloutEngine(model, tokenizer, env, cfg.rollout.call_end, cfg.rollout.shared_prefix_attention,
                                    cfg.rollout.compact_finished_rows)
-            own = engine.generate([rows[i] for i in sampled[::group]], params, group_size=group, seed=seed)
-            episodes.update(zip(sampled, own))
+            own = engine.generate(prompts[::group], params, group_size=group, seed=seed)
+            episodes.update((i, without_hint(ep, engine.prompt_ids(rows[i])) if hinted[i] else ep)
+                            for i, ep in zip(sampled, own))
             replayed = [i for i, e in enumerate(expert) if e]
             episodes.update(zip(replayed, engine.replay([rows[i] for i in replayed], params)))
         out: dict[str, list[Any]] = {k: [] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask", "success",
@@ -1004,18 +1029,13 @@ def episode_success(completions: list[Any], success: list[float] | None = None, 
 
 def tool_world_dataset(cfg: RunConfig, split: str = "train", n: int | None = None,
                        system_prompt: bool = False) -> Any:
-    """The split's tasks as TRL rows: `prompt` (the question, a user message: TRL's chat template renders the
-    tools; with `system_prompt`, after the task's own system message, which documents them as our rollouts
-    do -- for a model in toolcollapse's chat format, whose template does not render `tools`), `task_id`
-    (what the environment's `reset` gets) and `answer`."""
-    from datasets import Dataset
-
+    """The split's tasks as TRL rows for the environment (`task_rows`): the question alone, TRL's chat
+    template rendering the tools; with `system_prompt`, after the task's own system message, which
+    documents them as our rollouts do (a model in toolcollapse's chat format, whose template does not
+    render `tools`)."""
     from toolcollapse.envs import make_env
 
-    tasks = make_env(cfg).tasks(split)[:n]
-    return Dataset.from_list([{"prompt": [{"role": m.role, "content": m.content}
-                                          for m in (t.prompt if system_prompt else t.prompt[-1:])],
-                               "task_id": t.id, "answer": t.answer} for t in tasks])
+    return task_rows(make_env(cfg).tasks(split)[:n], system_prompt)
 
 
 def tool_world_reward(completions: list[Any], environments: list[Any] | None = None, **_: Any) -> list[float]:
