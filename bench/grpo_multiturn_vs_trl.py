@@ -85,7 +85,7 @@ def trl_trainer(checkpoint: str, steps: int, out: str, monitored: bool, greedy: 
         common.update(reward_funcs=episode_success, environment_factory=None,
                       rollout_func=engine_rollouts(cfg, tokenizer, tasks=tasks))
     if monitored:
-        return MonitoredGRPOTrainer(model=model, tools=env.tool_table, monitor=ControlTokenCallback.for_tool_world(
+        return MonitoredGRPOTrainer(model=model, tool_specs=env.tool_table, monitor=ControlTokenCallback.for_tool_world(
             cfg, tokenizer), **common)
     call_end = speak_toolcollapse_chat(tokenizer, model)
 

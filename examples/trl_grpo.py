@@ -16,9 +16,12 @@ environments (the tool world, BFCL multi-turn): a complete script, on a laptop C
     toolcollapse diagnose runs/trl/tiny    # the monitor's series and alarms, as for one of our runs
 
 The run config (`--config`, default the checkpoint's own toolcollapse.yaml, else configs/tiny_rl.yaml; `--set`
-overrides) gives the environment, the rollout limits (with `--rollouts engine`), the monitor (probe,
-alarm rules, `monitor.on_alarm`) and the GRPO settings TRL takes from it: lr, KL coefficient, clip, group
-size, prompts per step (per process), temperature.
+overrides) gives the environment, the rollout limits (with `--rollouts engine`; TRL's tool loop has one
+budget for a whole rollout, here 2 x turns x tokens per turn), the monitor (probe, alarm rules,
+`monitor.on_alarm`) and the GRPO settings TRL takes from it: steps, lr, KL coefficient, clip (not the dual
+clip: TRL has none), group size, prompts per step (per process), micro-batch size (gradient accumulation
+over one generation: one optimizer step per step, as `rl`), temperature, seed. The tasks are `rl`'s order
+of the training split, cycled.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ def main() -> None:
     ap.add_argument("--config", help="run config (default: the checkpoint's toolcollapse.yaml, else configs/tiny_rl.yaml)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     ap.add_argument("--out", required=True, help="TRL's output_dir: checkpoints, monitor.jsonl, alarms.jsonl")
-    ap.add_argument("--steps", type=int, default=20, help="GRPO steps (per round with --rounds)")
+    ap.add_argument("--steps", type=int, default=None, help="GRPO steps, per round with --rounds (default grpo.steps)")
     ap.add_argument("--rollouts", choices=("tool_loop", "engine"), default="tool_loop",
                     help="TRL's own tool loop (environment_factory; the tool world) or our engine (rollout_func)")
     ap.add_argument("--ops", type=int, default=0, help="OPS: ground-truth rows per group (needs --rollouts engine)")
@@ -70,9 +73,10 @@ def main() -> None:
                  "call, and has no place for a replayed ground truth)")
     tokenizer, model = load_tokenizer(args.checkpoint), load_model(args.checkpoint)
     g = cfg.grpo
-    per_round = args.steps * g.prompts_per_step * PartialState().num_processes  # every process its own prompts
-    rounds = max(1, args.rounds)
-    tasks = task_order(env.tasks(g.split), cfg.seed)[:per_round * rounds]  # rl's order; TRL keeps it (no shuffle)
+    steps = args.steps or g.steps
+    per_round = steps * g.prompts_per_step * PartialState().num_processes  # every process its own prompts
+    order = task_order(env.tasks(g.split), cfg.seed)  # rl's order, cycled as rl cycles it; TRL keeps it (no shuffle)
+    tasks = [order[i % len(order)] for i in range(per_round * max(1, args.rounds))]
     if args.rollouts == "engine":
         data = task_rows(tasks)
         rollout = dict(reward_funcs=episode_success, rollout_func=engine_rollouts(cfg, tokenizer, tasks=tasks),
@@ -81,9 +85,14 @@ def main() -> None:
         data = task_rows(tasks, system_prompt=tokenizer.chat_template == CHAT_TEMPLATE)
         rollout = dict(reward_funcs=tool_world_reward, environment_factory=tool_world_environment(cfg),
                        call_end=cfg.rollout.call_end)
+    # one generation of prompts_per_step x G rollouts a process, trained in micro-batches of grpo.micro_batch_size
+    # rows, one optimizer step (as rl): TRL generates per_device x steps_per_generation (= accumulation) rows at once
+    rows = g.prompts_per_step * g.group_size
+    micro = g.micro_batch_size if rows % g.micro_batch_size == 0 else rows
     grpo_args = GRPOConfig(
-        output_dir=args.out, max_steps=args.steps, learning_rate=g.lr, beta=g.kl_coef, epsilon=g.clip_low,
-        epsilon_high=g.clip_high, num_generations=g.group_size, per_device_train_batch_size=g.prompts_per_step * g.group_size,
+        output_dir=args.out, max_steps=steps, learning_rate=g.lr, beta=g.kl_coef, epsilon=g.clip_low,
+        epsilon_high=g.clip_high, num_generations=g.group_size, per_device_train_batch_size=micro,
+        gradient_accumulation_steps=rows // micro,
         temperature=cfg.rollout.temperature,  # TRL's tool loop: one budget for all turns and the tool replies
         max_completion_length=min(cfg.model.max_seq_len, 2 * cfg.rollout.max_turns * cfg.rollout.max_new_tokens),
         max_tool_calling_iterations=cfg.rollout.max_turns - 1, loss_type="dapo", shuffle_dataset=False, seed=cfg.seed,
@@ -92,9 +101,9 @@ def main() -> None:
     monitor = ControlTokenCallback.for_tool_world(cfg, tokenizer)
 
     def make_grpo(round_: int = 0) -> MonitoredGRPOTrainer:
-        part = data.select(range(round_ * per_round, (round_ + 1) * per_round))
+        part = data.select(range(round_ * per_round, (round_ + 1) * per_round))  # each round its own tasks
         return MonitoredGRPOTrainer(model=model, args=grpo_args, train_dataset=part, processing_class=tokenizer,
-                                    monitor=monitor, tools=env.tool_table if cfg.env == "toolworld" else None,
+                                    monitor=monitor, tool_specs=env.tool_table if cfg.env == "toolworld" else None,
                                     **rollout)
 
     if not args.rounds:
@@ -106,7 +115,7 @@ def main() -> None:
                                  bf16=args.bf16, use_cpu=not _cuda(), seed=cfg.seed, logging_steps=1)
             return SFTTrainer(model=model, args=sft_args, train_dataset=dataset, processing_class=tokenizer)
 
-        phases = train_interleaved(make_grpo, make_sft, args.rounds, args.window or args.steps, args.out,
+        phases = train_interleaved(make_grpo, make_sft, args.rounds, args.window or steps, args.out,
                                    rl_phase_data(cfg, tokenizer, None if args.prs == "none" else args.prs,
                                                  call_end=cfg.rollout.call_end))
         for p in phases:

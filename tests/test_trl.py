@@ -413,7 +413,7 @@ def test_trl_s_tool_loop_in_our_chat_format_builds_token_for_token_the_episodes_
     replayed = {e.task_id: e for e in engine.replay(tasks, sampling_params(cfg, greedy=True))}
     trainer = Scripted(model=load_model(tiny_checkpoint), reward_funcs=tool_world_reward, args=_tool_world_args(tmp_path),
                        train_dataset=tool_world_dataset(cfg, "train", 4, system_prompt=True), processing_class=tokenizer,
-                       environment_factory=tool_world_environment(cfg), tools=world.tool_table)
+                       environment_factory=tool_world_environment(cfg), tool_specs=world.tool_table)
     trainer.train()
     inputs, out = trainer.saved
     for i, x in enumerate(inputs):
@@ -424,7 +424,7 @@ def test_trl_s_tool_loop_in_our_chat_format_builds_token_for_token_the_episodes_
         assert out["completion_ids"][i][keep].tolist() == ep.tokens[ep.prompt_len:]  # tool replies from our tools
         assert out["tool_mask"][i][keep].tolist() == ep.loss_mask[ep.prompt_len:]  # <|im_end|> after a call: 0
         rebuilt = rollout_episode(tasks[i // 2], prompt, out["completion_ids"][i][keep], out["tool_mask"][i][keep],
-                                  tokenizer, world.tool_table)
+                                  tokenizer, world)
         assert (rebuilt.tokens, rebuilt.loss_mask, rebuilt.finish, rebuilt.final_text) == (
             ep.tokens, ep.loss_mask, ep.finish, ep.final_text)
         assert [(t.start, t.end, t.parsed, t.observation) for t in rebuilt.turns] == [
@@ -483,7 +483,7 @@ def test_ets_and_prs_phases_through_trl_train_on_the_examples_rl_builds_from_the
     def make_grpo(round_):
         return Scripted(model=model, reward_funcs=tool_world_reward, args=_tool_world_args(tmp_path / "grpo"),
                         train_dataset=data, processing_class=tokenizer,
-                        environment_factory=tool_world_environment(cfg), tools=world.tool_table)
+                        environment_factory=tool_world_environment(cfg), tool_specs=world.tool_table)
 
     def make_sft(dataset):
         seen.append(dataset)
@@ -637,7 +637,8 @@ def test_bfcl_multi_turn_runs_in_trl_through_our_engine_its_later_user_turns_mas
     from toolcollapse.config import load_config
     from toolcollapse.envs import make_env
     from toolcollapse.evaluate import sampling_params
-    from toolcollapse.integrations.trl import MonitoredGRPOTrainer, engine_rollouts, episode_success, task_dataset
+    from toolcollapse.integrations.trl import (MonitoredGRPOTrainer, engine_rollouts, episode_success, rollout_episode,
+                                               task_dataset)
     from toolcollapse.model import build_model
     from toolcollapse.rollout import RolloutEngine
     from toolcollapse.tokenizer import train_tokenizer
@@ -668,6 +669,14 @@ def test_bfcl_multi_turn_runs_in_trl_through_our_engine_its_later_user_turns_mas
     user_at = [i for i, t in enumerate(rows[1][1]) if t == tokenizer.convert_tokens_to_ids("<|im_start|>")]
     assert all(rows[1][2][i] == 0 for i in user_at)  # ...as context
     assert out["expert"].tolist() == [False, True] and inputs[1]["success"] == 1.0  # BFCL's state check
+    # PRS reads such a rollout rebuilt as our Episode: its turns, and between them the tool replies and
+    # the next user turns, as our engine recorded them
+    rebuilt = rollout_episode(task, out["prompt_ids"][1][out["prompt_mask"][1].bool()], rows[1][1], rows[1][2],
+                              tokenizer, env)
+    assert [(t.start, t.end, t.parsed, t.observation) for t in rebuilt.turns] == [
+        (t.start, t.end, t.parsed, t.observation) for t in replayed.turns]
+    assert any(task.prompt[-1].content not in (t.observation or "") and "<tool_response>" not in (t.observation or "")
+               and t.observation for t in rebuilt.turns)  # a later user turn among them
     log = trainer.state.log_history[0]
     assert log["rewards/episode_success/mean"] == pytest.approx((inputs[0]["success"] + 1.0) / 2)
 
@@ -697,3 +706,50 @@ def test_the_trl_example_script_trains_with_the_monitor_runs_a_prs_phase_and_dia
     diagnose = subprocess.run([sys.executable, "-m", "toolcollapse", "diagnose", str(out)], cwd=ROOT,
                               capture_output=True, text=True, timeout=300)
     assert diagnose.returncode == 0, diagnose.stderr[-3000:]
+
+
+def test_speak_toolcollapse_chat_makes_trl_stop_where_our_rollouts_stop_and_refuses_what_it_cannot_do(
+        tmp_path, tiny_checkpoint):
+    """Our chat format in TRL's tool loop: `</tool_call>` ends a generation (TRL cuts completions at the
+    model's end tokens, not only where `generate` stopped), Qwen's call parser is set, vLLM and a model path
+    are refused, and any other chat template is left alone."""
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    from toolcollapse.config import load_config
+    from toolcollapse.integrations.trl import (MonitoredGRPOTrainer, speak_toolcollapse_chat, tool_world_dataset,
+                                               tool_world_environment, tool_world_reward)
+    from toolcollapse.model import load_model
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("</tool_call>", "<|im_end|>", "<|endoftext|>")}
+    model = load_model(tiny_checkpoint)
+    with pytest.raises(ValueError, match="vLLM"):
+        speak_toolcollapse_chat(tokenizer, model, use_vllm=True)
+    with pytest.raises(ValueError, match="model object"):
+        speak_toolcollapse_chat(tokenizer, str(tiny_checkpoint))
+    other = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    other.chat_template = qwen2_5_chat_template
+    assert speak_toolcollapse_chat(other, model) is None and getattr(other, "response_template", None) is None
+    assert speak_toolcollapse_chat(tokenizer, model, "sampled") is None  # the model writes its own <|im_end|>
+    assert ids["</tool_call>"] not in model.generation_config.eos_token_id
+
+    cfg = load_config("configs/tiny_rl.yaml", ["world.n_train=2000", "world.n_test=200", "world.n_ood=150"])
+    model = load_model(tiny_checkpoint)
+    end = ids["</tool_call>"]
+
+    def close_at_once(module, inputs, output):  # the random model writes </tool_call> first, every turn
+        output[..., end] += 30.0
+        return output
+
+    model.get_output_embeddings().register_forward_hook(close_at_once)
+    trainer = _keeping(MonitoredGRPOTrainer)(
+        model=model, reward_funcs=tool_world_reward, args=_tool_world_args(tmp_path, max_completion_length=32),
+        train_dataset=tool_world_dataset(cfg, "train", 4, system_prompt=True), processing_class=tokenizer,
+        environment_factory=tool_world_environment(cfg))
+    assert set(ids.values()) <= set(model.generation_config.eos_token_id)
+    assert tokenizer.response_template is not None
+    trainer.train()
+    _, out = trainer.saved
+    completions = [c[m.bool()].tolist() for c, m in zip(out["completion_ids"], out["completion_mask"])]
+    assert completions == [[end]] * 8  # cut there: no padding, no second generation (no call was opened)

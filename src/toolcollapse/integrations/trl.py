@@ -43,8 +43,9 @@ toolcollapse brings its monitor, its diagnosis and its supervision signals:
   multi-turn tool loop (`environment_factory`): one method per tool, its signature and docstring from the
   tool's JSON schema, each call run by the world's sandboxed tools. A model trained by toolcollapse runs
   there in its own chat format (`speak_toolcollapse_chat`, done by `MonitoredGRPOTrainer`; the dataset's
-  `system_prompt=True`): TRL's tool loop then shows it exactly the tokens our rollouts show it (greedy, the
-  same episodes; bench/grpo_multiturn_vs_trl.py).
+  `system_prompt=True`): for well-formed turns TRL's tool loop shows it exactly the tokens our rollouts
+  show it (greedy, the same episodes; bench/grpo_multiturn_vs_trl.py); malformed ones it handles its own
+  way (a call it cannot parse ends the rollout).
 
     trainer = MonitoredGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...,
                                    processing_class=tokenizer,
@@ -182,10 +183,10 @@ class TurnStates:
     """Four-state and error counts of the sampled turns since the last log, summed over ranks at `reduce`:
     the rates `rl.rollout_stats` logs (`state/*`, `error/*`, `healthy_rate`, `turns_per_episode`)."""
 
-    def __init__(self, tokenizer: Any, tools: Mapping[str, Any] | None = None):
+    def __init__(self, tokenizer: Any, tools: Mapping[str, Any] | None = None, call_end: str = "template"):
         from toolcollapse.autopsy import control_tag_ids
 
-        self.tokenizer, self.tools = tokenizer, tools
+        self.tokenizer, self.tools, self.call_end = tokenizer, tools, call_end
         self.id_to_tag, self.text_tags = control_tag_ids(tokenizer)
         from toolcollapse.records import ErrorType, TurnState
 
@@ -213,9 +214,9 @@ class TurnStates:
             self.counts[keys["n_rollouts"]] += 1
             for turn in turns:
                 # every control tag one token: the live parse, on ids; otherwise the tags can only match as text
-                parsed = (parse_turn(turn, self.tools) if self.text_tags else
+                parsed = (parse_turn(turn, self.tools, self.call_end) if self.text_tags else
                           parse_turn_ids(self.tokenizer(turn, add_special_tokens=False)["input_ids"], self.id_to_tag,
-                                         decode, self.tools))
+                                         decode, self.tools, self.call_end))
                 self.counts[keys["n_turns"]] += 1
                 self.counts[keys[f"state/{parsed.state.value}"]] += 1
                 for e in parsed.errors:
@@ -402,27 +403,33 @@ class MonitoredGRPOTrainer(GRPOTrainer):
     rank, and a `ControlTokenCallback` (`monitor`) whose rules also watch them."""
 
     def __init__(self, *args: Any, monitor: ControlTokenCallback | None = None,
-                 control_tokens: tuple[str, ...] | None = None, tools: Mapping[str, Any] | None = None,
+                 control_tokens: tuple[str, ...] | None = None, tool_specs: Mapping[str, Any] | None = None,
                  sft_coef: float = 0.0, unlikelihood_coef: float = 0.0, reference_column: str = "reference",
                  ops: int = 0, ops_shaping: str = "luffy", luffy_gamma: float = 0.1, hbg: int = 0,
                  hint_column: str = "hinted_prompt", call_end: str = "template", **kwargs: Any):
-        """`tools`: name -> ToolSpec of the tools the policy may call (None: unknown tools and bad arguments
-        are not checked, only the format). `sft_coef` > 0 needs a text `reference_column` in the training
+        """`tool_specs`: name -> ToolSpec of the tools the policy may call, what our parser checks calls
+        against (None: unknown tools and bad arguments are not checked, only the format; TRL's own `tools`,
+        its callables, pass through). `sft_coef` > 0 needs a text `reference_column` in the training
         dataset: the ground-truth completion of the row's prompt, in the chat format the policy writes.
         `call_end`: for a toolcollapse model in TRL's tool loop, who writes a call turn's <|im_end|> -- the
         template (the default of our SFT: `</tool_call>` ends the turn) or the model (`sampled`)."""
         self._call_end_id: int | None = None
         tokenizer, model = kwargs.get("processing_class"), kwargs.get("model", args[0] if args else None)
         if kwargs.get("tools") or kwargs.get("environment_factory"):
-            self._call_end_id = speak_toolcollapse_chat(tokenizer, model, call_end)
+            training = kwargs.get("args", args[2] if len(args) > 2 else None)
+            self._call_end_id = speak_toolcollapse_chat(tokenizer, model, call_end,
+                                                        use_vllm=bool(getattr(training, "use_vllm", False)))
         super().__init__(*args, **kwargs)
         names = control_tokens or (monitor.monitor if monitor else MonitorConfig()).control_tokens
         self.sampled = SampledTokens(resolve_token_ids(self.processing_class, names))
-        self.turns = TurnStates(self.processing_class, tools)
+        self.turns = TurnStates(self.processing_class, tool_specs, call_end)
         self.supervision = Supervision(sft_coef, unlikelihood_coef, reference_column)
-        # this rank's rollouts with reward <= 0 (step, prompt, reference, task_id, their tokens): what ETS/PRS
-        # phases train on (`train_interleaved` starts a trainer per round; a long single run: clear it now and then)
+        # this rank's rollouts with reward <= 0 in the last `failure_window` steps (step, prompt, reference,
+        # task_id, their tokens): what ETS/PRS phases train on; None (the default) keeps none -- set by
+        # `train_interleaved` to its window
         self.failures: list[dict[str, Any]] = []
+        self.failure_window: int | None = None
+        self.step_offset = 0  # steps of earlier trainers on this policy (`train_interleaved`'s rounds)
         if ops_shaping not in ("luffy", "none"):
             raise ValueError(f"ops_shaping {ops_shaping!r}: luffy or none")
         if ops < 0 or hbg < 0 or ops + hbg >= self.num_generations:
@@ -517,12 +524,14 @@ class MonitoredGRPOTrainer(GRPOTrainer):
 
     def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> Any:
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        if self.model.training and (self.supervision.column in inputs[0] or "task_id" in inputs[0]):
+        if self.model.training and self.failure_window is not None:
             # TRL gathers every rank's rows in rank order; this rank's are its slice (as TRL slices advantages)
             rank, n = self.accelerator.process_index, len(prompts)
             local = rewards_per_func[rank * n:(rank + 1) * n]
             rewards = (local * self.reward_weights.to(local.device).unsqueeze(0)).nansum(dim=1)
-            self.failures += [{"step": self.state.global_step, "prompt": x["prompt"],
+            step = self.state.global_step
+            self.failures = [f for f in self.failures if f["step"] > step - self.failure_window]
+            self.failures += [{"step": step, "prompt": x["prompt"],
                                "reference": x.get(self.supervision.column), "task_id": x.get("task_id"), "row": i}
                               for i, (x, r, e) in enumerate(zip(inputs, rewards.tolist(),
                                                                 (self._expert | self._hinted).tolist()))
@@ -533,10 +542,10 @@ class MonitoredGRPOTrainer(GRPOTrainer):
         """The tokens of this generation batch's failed rollouts, on their failures (what ETS/PRS phases
         are built from): prompt, completion, and which completion tokens the policy sampled."""
         mask = _loss_mask(out)
-        for f in self.failures:
-            i = f.pop("row", None)
-            if i is None:
-                continue
+        for f in reversed(self.failures):  # this batch's are the last
+            if "row" not in f:
+                break
+            i = f.pop("row")
             keep = out["completion_mask"][i].bool()
             f["prompt_ids"] = out["prompt_ids"][i][out["prompt_mask"][i].bool()].to("cpu", torch.int32)
             f["completion_ids"] = out["completion_ids"][i][keep].to("cpu", torch.int32)
@@ -680,25 +689,29 @@ def train_interleaved(make_grpo: Any, make_sft: Any, rounds: int, window: int,
     reference from the model it is given (the post-SFT one; ours keeps the initial model). A round stopped
     by an alarm (`monitor.on_alarm: stop`) ends the schedule. Returns the phases' records, also written to
     <output_dir>/phases.jsonl (default: the first GRPO trainer's output_dir)."""
+    from accelerate import PartialState
     from accelerate.utils import gather_object
 
     phases: list[dict[str, Any]] = []
     offset = 0
     for round_ in range(rounds):
         grpo = make_grpo(round_)
+        grpo.step_offset, grpo.failure_window = offset, window
         if grpo.monitor is not None:
             grpo.monitor.step_offset = offset
         output_dir = Path(output_dir or grpo.args.output_dir)
         grpo.train()
         steps = grpo.state.global_step
-        failed = gather_object([f for f in grpo.failures if f["step"] >= steps - window])
+        failed = sorted(gather_object([f for f in grpo.failures if f["step"] >= steps - window]),
+                        key=lambda f: f["step"])  # rank order -> step order: the newest of each task last
         newest = list({json.dumps(f["prompt"], sort_keys=True, default=str): f for f in failed}.values())
         stopped = steps < grpo.args.max_steps
         offset += steps
         record: dict[str, Any] = {"step": offset, "round": round_, "phase": "ets", "tasks": len(newest)}
         if newest and not stopped:
-            data, tokens, stats = (phase_data or functools.partial(reference_rows, tokenizer=grpo.processing_class))(
-                newest)
+            build = phase_data or functools.partial(reference_rows, tokenizer=grpo.processing_class)
+            # built once, on rank 0 (a judge need not be deterministic), so every rank trains the same rows
+            data, tokens, stats = _from_rank_zero(build(newest) if PartialState().is_main_process else None)
             record.update(stats)
             sft = make_sft(data)
             sft.train()
@@ -728,10 +741,13 @@ def reference_rows(failures: list[dict[str, Any]], tokenizer: Any) -> tuple[Any,
 
 
 def rollout_episode(task: Any, prompt_ids: Any, completion_ids: Any, sampled: Any, tokenizer: Any,
-                    tools: Mapping[str, Any] | None = None, call_end: str = "template") -> Any:
-    """A rollout of TRL's tool loop, in toolcollapse's chat format, as our `Episode`: each run of sampled
-    tokens one turn, parsed as our rollouts parse it, the tool replies between runs its observation --
-    what the judge and the PRS examples read. (Success is not rescored: the rollouts kept are failures.)"""
+                    env: Any = None, call_end: str = "template") -> Any:
+    """A rollout played in TRL (its tool loop, or `engine_rollouts`), in toolcollapse's chat format, as our
+    `Episode`: each run of sampled tokens one turn, parsed as our rollouts parse it -- against the tools the
+    task offers at that turn (`env`, one of ours, stepped through the turns: BFCL adds tools on the way;
+    None: the tools are not checked, only the format) -- and what came between two runs (tool replies, a next
+    user turn) its observation: what the judge and the PRS examples read. (Success is not rescored: the
+    rollouts kept are failures.)"""
     import re
 
     from toolcollapse.chat import PieceEncoder
@@ -753,12 +769,17 @@ def rollout_episode(task: Any, prompt_ids: Any, completion_ids: Any, sampled: An
         if keep:
             runs.append((at, at + n))
         at += n
+    state = env.reset(task) if env is not None else None
     for k, (start, end) in enumerate(runs):
-        parsed = parse_turn_ids(completion[start:end], id_to_tag, decode, tools, call_end)
+        parsed = parse_turn_ids(completion[start:end], id_to_tag, decode, state.tools if state else None, call_end)
+        if state is not None and k + 1 < len(runs):
+            env.step(state, parsed)  # the tools of the next turn
         record = TurnRecord(len(prompt) + start, len(prompt) + end, parsed)
-        if k + 1 < len(runs):
+        if k + 1 < len(runs):  # what the environment said between two turns: tool replies, a next user turn
             gap = decode(completion[end:runs[k + 1][0]])
-            record.observation = "\n".join(re.findall(r"<tool_response>\n(.*?)\n</tool_response>", gap, re.S))
+            said = [m.removeprefix("<tool_response>\n").removesuffix("\n</tool_response>")
+                    for m in re.findall(r"<\|im_start\|>(?:user|tool)\n(.*?)<\|im_end\|>", gap, re.S)]
+            record.observation = "\n".join(said)
         ep.turns.append(record)
     last = ep.turns[-1].parsed if ep.turns else None
     ep.finish = ("answered" if last is not None and last.end == "answer" else
@@ -770,10 +791,12 @@ def rollout_episode(task: Any, prompt_ids: Any, completion_ids: Any, sampled: An
 def rl_phase_data(cfg: RunConfig, tokenizer: Any, prs_target: str | None = None, judge: Any = None,
                   call_end: str = "template", max_len: int | None = None) -> Any:
     """`phase_data` for `train_interleaved` on any of our environments (rows with `task_id`: from
-    `tool_world_dataset` or `task_dataset`): the phase's examples as `toolcollapse rl` builds them (`interleave.phase_examples`): each failed task's ground truth (ETS) and,
-    with `prs_target` (reflection or correction), one example per failure from the judge's verdict on its
-    rollout (`judge`: default the deterministic one), rebuilt with `rollout_episode`. Rows are
-    pre-tokenized: `input_ids` and `labels` (-100 where the example trains nothing)."""
+    `tool_world_dataset` or `task_dataset`): the phase's examples as `toolcollapse rl` builds them
+    (`interleave.phase_examples`): each failed task's ground truth (ETS) and, with `prs_target` (reflection
+    or correction), one example per failure from the judge's verdict on its rollout (`judge`: default the
+    deterministic one), rebuilt with `rollout_episode`. Rows are pre-tokenized: `input_ids` and `labels`
+    (-100 where the example trains nothing); SFTTrainer takes them as they are with `SFTConfig(max_length=
+    None)` (its default, 1024, would cut long prompts such as BFCL's)."""
     from datasets import Dataset
 
     from toolcollapse.chat import PieceEncoder, generation_prompt
@@ -800,7 +823,7 @@ def rl_phase_data(cfg: RunConfig, tokenizer: Any, prs_target: str | None = None,
             failure = Failure(f["step"], f["task_id"])
             if prs_target is not None:
                 episode = rollout_episode(tasks[f["task_id"]], f["prompt_ids"], f["completion_ids"], f["sampled"],
-                                          tokenizer, world.tool_table, call_end)
+                                          tokenizer, world, call_end)
                 failure = judged(failure, tasks[f["task_id"]], episode, judge, decode, generation_prompt_len)
             ours.append(failure)
         examples, stats = phase_examples(ours, tasks, encoder, call_end, prs_target, max_len or cfg.model.max_seq_len)
@@ -813,16 +836,23 @@ def rl_phase_data(cfg: RunConfig, tokenizer: Any, prs_target: str | None = None,
 # ----------------------------------------------------------------------------- the tool world as a TRL environment
 
 
-def speak_toolcollapse_chat(tokenizer: Any, model: Any, call_end: str = "template") -> int | None:
+def speak_toolcollapse_chat(tokenizer: Any, model: Any, call_end: str = "template",
+                            use_vllm: bool = False) -> int | None:
     """Let TRL's tool loop run a model trained by toolcollapse, in its own chat format (`chat.CHAT_TEMPLATE`:
     ChatML with Qwen's `<tool_call>` JSON; the tools are documented in the prompt's system message, see
-    `tool_world_dataset(system_prompt=True)`), so it sees exactly what our rollouts show it. TRL parses
-    calls only for chat templates it knows: this sets Qwen's response parser on the tokenizer (the same call
-    syntax), and with `call_end` template makes `</tool_call>` end a generation, as in our rollouts.
-    Returns the <|im_end|> id the tool reply must then start with (TRL's suffix begins after it), else None.
-    Any other chat template is left to TRL. `MonitoredGRPOTrainer` calls this itself."""
+    `tool_world_dataset(system_prompt=True)`). TRL parses calls only for chat templates it knows: this sets
+    Qwen's response parser on the tokenizer (the same call syntax), and with `call_end` template adds
+    `</tool_call>` to the model's generation config's end tokens (kept in checkpoints saved from it), as in
+    our rollouts. Returns the <|im_end|> id the tool reply must then start with (TRL's suffix begins after
+    it), else None. Any other chat template is left to TRL. `MonitoredGRPOTrainer` calls this itself.
+
+    For well-formed turns TRL's loop then shows the model exactly the tokens our rollouts show it (greedy,
+    the same episodes). Malformed turns are TRL's own: a call it cannot parse ends the rollout (ours answers
+    it with an error and goes on), an unknown tool gets TRL's error text, arguments are typed by the tool's
+    schema before the call (transformers >= 5.15), and no turn has a token cap of its own -- for our exact
+    rollouts inside TRL, `engine_rollouts`. vLLM generation takes its end tokens elsewhere: refused."""
     from transformers import PreTrainedModel
-    from trl.chat_template_utils import qwen3_template
+    from trl.chat_template_utils import _SUPPORTS_RESPONSE_TEMPLATE, qwen3_schema, qwen3_template
 
     from toolcollapse.chat import CHAT_TEMPLATE, IM_END, stop_tags
 
@@ -830,11 +860,17 @@ def speak_toolcollapse_chat(tokenizer: Any, model: Any, call_end: str = "templat
         return None
     if call_end not in ("template", "sampled"):
         raise ValueError(f"call_end {call_end!r}: template or sampled (the checkpoint's rollout.call_end)")
+    if use_vllm:
+        raise ValueError("a toolcollapse chat model in TRL's tool loop with vLLM generation: not supported yet (vLLM "
+                         "would not stop at </tool_call>); generate with transformers, or use engine_rollouts")
     if not isinstance(model, PreTrainedModel):
         raise ValueError("a toolcollapse chat model in TRL's tool loop: pass the model object "
                          "(toolcollapse.model.load_model(path)), not a path, so its stop tokens can be set")
-    if getattr(tokenizer, "response_template", None) is None:
-        tokenizer.response_template = dict(qwen3_template)
+    if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
+        if _SUPPORTS_RESPONSE_TEMPLATE:  # transformers >= 5.13; before, only the legacy schema is read
+            tokenizer.response_template = dict(qwen3_template)
+        else:
+            tokenizer.response_schema = dict(qwen3_schema)
     stops = [tokenizer.convert_tokens_to_ids(t) for t in stop_tags(call_end)]
     eos = model.generation_config.eos_token_id
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
@@ -969,19 +1005,33 @@ def engine_rollouts(cfg: RunConfig, tokenizer: Any, split: str = "train", tasks:
     from toolcollapse.supervision import hint, with_hint, without_hint
 
     env = make_env(cfg)
+    pool = list(tasks if tasks is not None else env.tasks(split))
+    by_id = {t.id: t for t in pool}
     index: dict[int, Any] = {}
-    for t in (tasks if tasks is not None else env.tasks(split)):
-        index[_prompt_key([{"role": m.role, "content": m.content} for m in t.prompt])] = t
+    for t in pool:  # two tasks with one prompt: only the rows' task_id can tell them apart
+        key = _prompt_key([{"role": m.role, "content": m.content} for m in t.prompt])
+        index[key] = None if key in index else t
     params = sampling_params(cfg, greedy=False)
 
     def rollout(prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
         if abs(trainer.temperature - params.temperature) > 1e-9:
             raise ValueError(f"engine_rollouts: GRPOConfig.temperature {trainer.temperature} differs from the run "
                              f"config's rollout.temperature {params.temperature}; set them equal")
-        rows = [index.get(_prompt_key(p)) for p in prompts]
+        deepspeed = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+        if getattr(trainer, "is_fsdp_enabled", False) or (
+                deepspeed is not None and deepspeed.zero_stage == 3 and not trainer.args.ds3_gather_for_generation):
+            # each forward there is a collective, and the engine's number of forwards differs across ranks
+            raise ValueError("engine_rollouts runs the whole model on each rank: use DDP or DeepSpeed ZeRO (with "
+                             "ZeRO-3, ds3_gather_for_generation=True), not FSDP")
+        inputs = getattr(trainer, "_inputs", None)  # a MonitoredGRPOTrainer's rows: their task_id
+        if inputs is not None and len(inputs) == len(prompts) and all("task_id" in x for x in inputs):
+            rows = [by_id.get(x["task_id"]) for x in inputs]
+        else:
+            rows = [index.get(_prompt_key(p)) for p in prompts]
         if any(t is None for t in rows):
-            raise ValueError("engine_rollouts: a prompt that is none of the tasks' (build the dataset with "
-                             f"task_dataset(cfg, {split!r}), or pass the tasks)")
+            raise ValueError("engine_rollouts: a row that is none of the tasks' (build the dataset with "
+                             f"task_dataset(cfg, {split!r}), or pass the tasks; rows whose prompts are equal need "
+                             "their task_id and a MonitoredGRPOTrainer)")
         def flags(name: str) -> list[bool]:  # a MonitoredGRPOTrainer's OPS / HBG rows of this batch
             value = getattr(trainer, name, None)
             return value.tolist() if value is not None and len(value) == len(rows) else [False] * len(rows)
@@ -993,7 +1043,8 @@ def engine_rollouts(cfg: RunConfig, tokenizer: Any, split: str = "train", tasks:
         # G contiguous rows of a prompt: one prefill, its cache repeated (the engine's groups)
         runs = [len(list(g)) for _, g in itertools.groupby((rows[i].id, hinted[i]) for i in sampled)]
         group = runs[0] if runs and len(set(runs)) == 1 else 1
-        step, rank = trainer.state.global_step, trainer.accelerator.process_index
+        step = getattr(trainer, "step_offset", 0) + trainer.state.global_step  # on across train_interleaved rounds
+        rank = trainer.accelerator.process_index
         seed = (trainer.args.seed * 1_000_003 + step * 1_009 + rank) % 2**63
         episodes: dict[int, Any] = {}
         with _generation_model(trainer) as model:
