@@ -753,3 +753,32 @@ def test_speak_toolcollapse_chat_makes_trl_stop_where_our_rollouts_stop_and_refu
     _, out = trainer.saved
     completions = [c[m.bool()].tolist() for c, m in zip(out["completion_ids"], out["completion_mask"])]
     assert completions == [[end]] * 8  # cut there: no padding, no second generation (no call was opened)
+
+
+def test_engine_rollouts_refuses_a_training_set_with_rows_it_does_not_know_before_any_rollout(tmp_path, tiny_checkpoint):
+    """Every rank checks the whole dataset at the first batch, so they all raise together (a row unknown
+    to one rank's batch only would leave the others waiting in a collective)."""
+    from transformers import AutoTokenizer
+
+    from toolcollapse.config import load_config
+    from toolcollapse.envs import make_env
+    from toolcollapse.integrations.trl import MonitoredGRPOTrainer, engine_rollouts, episode_success, task_rows
+    from toolcollapse.model import load_model
+
+    cfg = load_config("configs/tiny_rl.yaml", ["world.n_train=2000", "world.n_test=200", "world.n_ood=150"])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    tasks = make_env(cfg).tasks("train")[:8]
+    generated = []
+
+    class Counting(MonitoredGRPOTrainer):
+        def _generate(self, prompts):
+            generated.append(len(prompts))
+            return super()._generate(prompts)
+
+    # the rollout function knows the first 4 tasks; the dataset's last 4 rows (a later batch) are others
+    trainer = Counting(model=load_model(tiny_checkpoint), reward_funcs=episode_success, args=_tool_world_args(
+        tmp_path, per_device_train_batch_size=4), train_dataset=task_rows(tasks), processing_class=tokenizer,
+        rollout_func=engine_rollouts(cfg, tokenizer, tasks=tasks[:4]))
+    with pytest.raises(ValueError, match="4 rows of the training dataset are none of the tasks"):
+        trainer.train()
+    assert generated == [4]  # the first batch's own rows were all known: the check was on the whole dataset

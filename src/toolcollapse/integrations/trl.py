@@ -1012,6 +1012,7 @@ def engine_rollouts(cfg: RunConfig, tokenizer: Any, split: str = "train", tasks:
         key = _prompt_key([{"role": m.role, "content": m.content} for m in t.prompt])
         index[key] = None if key in index else t
     params = sampling_params(cfg, greedy=False)
+    checked: set[int] = set()  # the training datasets already checked against the tasks
 
     def rollout(prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
         if abs(trainer.temperature - params.temperature) > 1e-9:
@@ -1023,15 +1024,25 @@ def engine_rollouts(cfg: RunConfig, tokenizer: Any, split: str = "train", tasks:
             # each forward there is a collective, and the engine's number of forwards differs across ranks
             raise ValueError("engine_rollouts runs the whole model on each rank: use DDP or DeepSpeed ZeRO (with "
                              "ZeRO-3, ds3_gather_for_generation=True), not FSDP")
+        if id(trainer.train_dataset) not in checked:  # the whole dataset at once, on every rank alike: a row
+            checked.add(id(trainer.train_dataset))      # unknown to one rank's batch only would hang the others
+            data = trainer.train_dataset
+            ids = data["task_id"] if "task_id" in (data.column_names or ()) else None
+            unknown = ([i for i in ids if i not in by_id] if ids is not None else
+                       [p for p in data["prompt"] if index.get(_prompt_key(p)) is None])
+            if unknown:
+                raise ValueError(f"engine_rollouts: {len(unknown)} rows of the training dataset are none of the tasks' "
+                                 f"(build it with task_dataset(cfg, {split!r}), or pass the tasks; rows whose prompts "
+                                 "are equal need a task_id column)")
         inputs = getattr(trainer, "_inputs", None)  # a MonitoredGRPOTrainer's rows: their task_id
         if inputs is not None and len(inputs) == len(prompts) and all("task_id" in x for x in inputs):
             rows = [by_id.get(x["task_id"]) for x in inputs]
         else:
             rows = [index.get(_prompt_key(p)) for p in prompts]
         if any(t is None for t in rows):
-            raise ValueError("engine_rollouts: a row that is none of the tasks' (build the dataset with "
-                             f"task_dataset(cfg, {split!r}), or pass the tasks; rows whose prompts are equal need "
+            raise ValueError("engine_rollouts: a row that is none of the tasks' (rows whose prompts are equal need "
                              "their task_id and a MonitoredGRPOTrainer)")
+
         def flags(name: str) -> list[bool]:  # a MonitoredGRPOTrainer's OPS / HBG rows of this batch
             value = getattr(trainer, name, None)
             return value.tolist() if value is not None and len(value) == len(rows) else [False] * len(rows)
