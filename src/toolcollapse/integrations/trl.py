@@ -106,6 +106,18 @@ def _loss_mask(batch: Mapping[str, Any]) -> torch.Tensor:
     return batch["completion_mask"] * batch["tool_mask"] if "tool_mask" in batch else batch["completion_mask"]
 
 
+def _sampled_runs(mask: Sequence[Any]) -> list[tuple[int, int]]:
+    """[start, end) of each run of sampled tokens (mask 1) of a completion: in TRL's tool loop and in our
+    rollouts, one assistant turn each (the tool replies and template tokens between them are 0)."""
+    runs, at = [], 0
+    for keep, group in itertools.groupby(bool(k) for k in mask):
+        n = sum(1 for _ in group)
+        if keep:
+            runs.append((at, at + n))
+        at += n
+    return runs
+
+
 def _gather_rows(rows: torch.Tensor) -> torch.Tensor:
     """Every rank's [n_i, k] rows, concatenated in rank order on every rank (n_i may differ, and be 0)."""
     from accelerate import PartialState
@@ -206,11 +218,7 @@ class TurnStates:
 
         keys = {k: i for i, k in enumerate(self.keys)}
         for ids, m in zip(completion_ids.tolist(), mask.tolist()):
-            # each run of sampled tokens is a generation: in TRL's tool loop, one turn, the tool's reply and
-            # the template's tokens around it masked out between two runs
-            runs = [[i for i, _ in run] for keep, run in itertools.groupby(zip(ids, m), key=lambda x: bool(x[1]))
-                    if keep]
-            turns = [valid_text(t) for run in runs for t in split_turns(decode(run))]
+            turns = [valid_text(t) for a, b in _sampled_runs(m) for t in split_turns(decode(ids[a:b]))]
             self.counts[keys["n_rollouts"]] += 1
             for turn in turns:
                 # every control tag one token: the live parse, on ids; otherwise the tags can only match as text
@@ -499,13 +507,13 @@ class MonitoredGRPOTrainer(GRPOTrainer):
         out = super()._generate_and_score_completions(inputs)
         if not self.model.training:
             return out
-        self._keep_failed_rollouts(out)
         mask = _loss_mask(out)
+        self._keep_failed_rollouts(out, mask)
         out["expert"] = self._expert.to(mask.device)
         out["hinted"] = self._hinted.to(mask.device)
         self.supervision.count("expert_rows", float(self._expert.sum()))
         self.supervision.count("hinted_rows", float(self._hinted.sum()))
-        own = ~(out["expert"] | self._hinted.to(mask.device))  # the policy's own samples
+        own = ~(out["expert"] | out["hinted"])  # the policy's own samples
         self.turns.add(out["completion_ids"][own], mask[own])
         if self.supervision.unlikelihood_coef > 0:
             out["unlikely"] = rejected_controls(out["completion_ids"], mask, self.turns.id_to_tag)
@@ -538,10 +546,9 @@ class MonitoredGRPOTrainer(GRPOTrainer):
                               if r <= 0 and not e]
         return rewards_per_func
 
-    def _keep_failed_rollouts(self, out: Mapping[str, torch.Tensor]) -> None:
+    def _keep_failed_rollouts(self, out: Mapping[str, torch.Tensor], mask: torch.Tensor) -> None:
         """The tokens of this generation batch's failed rollouts, on their failures (what ETS/PRS phases
-        are built from): prompt, completion, and which completion tokens the policy sampled."""
-        mask = _loss_mask(out)
+        are built from): prompt, completion, and which completion tokens the policy sampled (`mask`)."""
         for f in reversed(self.failures):  # this batch's are the last
             if "row" not in f:
                 break
@@ -643,9 +650,7 @@ class MonitoredGRPOTrainer(GRPOTrainer):
                     loss = loss + shaped.sum() / tokens / self.current_gradient_accumulation_steps
             # the monitor watches the policy's own samples: not the expert rows, not the hinted ones (sampled
             # from another prompt: their sampling log-probs, where the rollout gives them, are not this one's)
-            hinted = inputs.get("hinted")
-            own = ~(expert | hinted) if hinted is not None else ~expert
-            mask = _loss_mask(inputs) * own[:, None]
+            mask = _loss_mask(inputs) * ~(expert | inputs["hinted"])[:, None]
             # the sampling policy's log-prob: vLLM's when TRL has it, else the old policy's, else (one update
             # per generation, on-policy) the current one's, as TRL's own loss takes it
             old = inputs.get("sampling_per_token_logps")
@@ -763,12 +768,7 @@ def rollout_episode(task: Any, prompt_ids: Any, completion_ids: Any, sampled: An
     id_to_tag = {i: t for t, i in encoder.special_ids.items() if i is not None}
     ep = Episode(task.id, prompt + completion, [0] * len(prompt) + mask, [0.0] * (len(prompt) + len(mask)),
                  len(prompt))
-    runs, at = [], 0
-    for keep, group in itertools.groupby(mask):
-        n = len(list(group))
-        if keep:
-            runs.append((at, at + n))
-        at += n
+    runs = _sampled_runs(mask)
     state = env.reset(task) if env is not None else None
     for k, (start, end) in enumerate(runs):
         parsed = parse_turn_ids(completion[start:end], id_to_tag, decode, state.tools if state else None, call_end)
@@ -1097,7 +1097,7 @@ def tool_world_dataset(cfg: RunConfig, split: str = "train", n: int | None = Non
     render `tools`)."""
     from toolcollapse.envs import make_env
 
-    return task_rows(make_env(cfg).tasks(split)[:n], system_prompt)
+    return task_rows(make_env(cfg).tasks(split, n), system_prompt)
 
 
 def tool_world_reward(completions: list[Any], environments: list[Any] | None = None, **_: Any) -> list[float]:
