@@ -5,7 +5,7 @@ Three configurations of the same run (same checkpoint, seed, tasks):
            and no alarm rules on them), no validation;
   monitor: the monitor's defaults -- probe set of 32 oracle conversations every 2 steps (control
            tokens and content slots from one forward), control-token statistics of the update's
-           forward every step, gradient share every 10 steps, alarm rules -- without validation;
+           forward every step, alarm rules (the gradient share is off by default) -- without validation;
   on:      the defaults: the monitor and validation (32 test tasks, greedy, every grpo.eval_every steps).
 The monitor and validation only observe: they draw no random numbers, so every run samples the
 same rollouts and makes the same updates (checked: their reward and healthy-rate series must be

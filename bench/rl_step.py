@@ -6,15 +6,17 @@ from the same checkpoint and seed, in alternating order:
   old:  rollout.shared_prefix_attention=false (a copy of the system prompt's KV per row),
         rollout.compact_finished_rows=false (rows whose turn ended decode pads),
         grpo.sort_micro_batches=false, grpo.micro_batch_size=16 (micro-batches of 16 in
-        rollout order, padded to the batch's longest row)
+        rollout order, padded to the batch's longest row), grpo.prefix_once=false (the system
+        prompt run in each micro-batch of the update and of the reference pass)
   new:  the defaults.
-Exactness check: a greedy rollout of the same tasks through both engines gives identical
-episodes. (Sampled episodes differ: the new engine draws the random stream for the rows
-still decoding only; the first step's reward and healthy rate are printed for both.) Prints per-step
+Exactness check: 4 tasks x 8 through both engines give identical episodes, greedy and sampled
+(every sequence draws from its own random stream, so the old engine's batches -- rows that ended
+their turn decoding pads -- sample the same tokens); so both sides train on the same rollouts, as
+the first step's reward, healthy rate and tokens per episode printed for both show. Prints per-step
 seconds (probe, rollout, update) and the ratios. Step 0 also computes the gradient share (every 10
-steps): it is reported with the others and apart.
+steps) and runs validation (every 20): it is reported with the others and apart.
 
-    python bench/rl_step.py --checkpoint runs/tiny/sft --steps 3 --rounds 2
+    python bench/rl_step.py --checkpoint runs/tiny/sft --steps 4 --rounds 2
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from toolcollapse.rollout import RolloutEngine
 from toolcollapse.runtime import read_jsonl
 
 OLD = ["rollout.shared_prefix_attention=false", "rollout.compact_finished_rows=false", "grpo.sort_micro_batches=false",
-       "grpo.micro_batch_size=16"]
+       "grpo.micro_batch_size=16", "grpo.prefix_once=false"]
 STUDY = ["grpo.prompts_per_step=4", "grpo.group_size=8", "rollout.max_turns=8", "rollout.max_new_tokens=64",
          "monitor.probe_every=1", "grpo.lr=1.0e-5", "grpo.checkpoint_every=1000", "threads=1"]
 PARTS = ("seconds", "seconds_probe", "seconds_rollout", "seconds_update")
@@ -49,12 +51,13 @@ def run(checkpoint: str, steps: int, extra: list[str]) -> list[dict]:
         return read_jsonl(Path(tmp) / "rl" / "metrics.jsonl")
 
 
-def greedy_identical(checkpoint: str) -> bool:
+def identical(checkpoint: str, greedy: bool) -> bool:
+    """The old and the new engine give the same episodes on the step's 4 tasks x 8."""
     cfg = load_config("configs/tiny_rl.yaml", [f"init={checkpoint}", *STUDY])
     model, tokenizer, env = load_model(checkpoint).eval(), load_tokenizer(checkpoint), make_env(cfg)
-    tasks = env.tasks("train")[:8]
+    tasks = env.tasks("train")[:4]
     episodes = [RolloutEngine(model, tokenizer, env, cascade=new, compact=new).generate(
-                tasks, sampling_params(cfg, greedy=True)) for new in (False, True)]
+                tasks, sampling_params(cfg, greedy=greedy), group_size=8) for new in (False, True)]
     return [e.tokens for e in episodes[0]] == [e.tokens for e in episodes[1]]
 
 
@@ -66,15 +69,17 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.time()
-    print(f"greedy episodes identical (8 tasks, old vs new engine): {greedy_identical(args.checkpoint)}")
+    print(f"episodes identical, old vs new engine (4 tasks x 8): greedy {identical(args.checkpoint, True)}, "
+          f"sampled {identical(args.checkpoint, False)}")
     rows: dict[str, list[dict]] = {"old": [], "new": []}
     for k in range(args.rounds):
         for name in (("old", "new") if k % 2 == 0 else ("new", "old")):
             metrics = run(args.checkpoint, args.steps, OLD if name == "old" else [])
             rows[name].append(metrics)
-    first = {name: [(r[0]["reward_mean"], r[0]["healthy_rate"]) for r in runs] for name, runs in rows.items()}
-    print(f"step 0 (reward, healthy) per run: old {first['old']}, new {first['new']}")
-    for label, pick in (("all steps", lambda r: r), ("without step 0 (gradient share)", lambda r: r[1:])):
+    first = {name: [(r[0]["reward_mean"], round(r[0]["healthy_rate"], 4), r[0]["response_tokens"]) for r in runs]
+             for name, runs in rows.items()}
+    print(f"step 0 (reward, healthy rate, sampled tokens an episode) per run: old {first['old']}, new {first['new']}")
+    for label, pick in (("all steps", lambda r: r), ("without step 0 (gradient share, validation)", lambda r: r[1:])):
         print(f"{label}, mean seconds per step over {args.rounds} runs of {args.steps} steps:")
         for part in PARTS:
             old = statistics.mean(x[part] for run in rows["old"] for x in pick(run))

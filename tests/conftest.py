@@ -36,8 +36,9 @@ def tiny_checkpoint(tmp_path_factory, tiny_model, tokenizer):
 
 @pytest.fixture(scope="session")
 def answering_checkpoint(tmp_path_factory, tiny_model, tokenizer, world):
-    """The tiny model after 12 SFT steps on `question -> "The answer is 7."`: some of its turns are
-    healthy answers and some are not, so `grpo.format_reward` makes groups informative."""
+    """The tiny model after 12 SFT steps on `question -> "The answer is 7."`: most of its turns are
+    healthy answers, some are not (~2 % at temperature 1, ~20 % at 2), so `grpo.format_reward` makes
+    groups informative (at temperature 2 in most steps)."""
     import copy
     import random
 

@@ -301,7 +301,7 @@ def test_the_adaptive_schedule_rolls_back_to_the_checkpoint_before_an_injected_a
     monkeypatch.setattr(rl, "_rollback", keep_alarming)
     config = _rl_config(tmp_path, answering_checkpoint, format_reward=1.0, group_size=4, schedule="constant")
     base = ["grpo.steps=5", "grpo.checkpoint_every=1", "grpo.keep_checkpoints=6", "supervision.adaptive.enabled=true",
-            *QUIET]
+            "grpo.weight_decay=0.1", *QUIET]  # decay: every update moves the weights, informative groups or not
     run = rl.run_rl(load_config(config, base + ["supervision.adaptive.sft=false"]), tmp_path / "rollback")
     rows = _metrics(run)
     assert {k: rows[3][k] for k in rows[3] if k.startswith("adaptive/")} == {

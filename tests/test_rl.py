@@ -107,6 +107,38 @@ def test_micro_batches_sum_to_the_full_batch_gradient(tiny_model, tokenizer, rol
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
 
 
+def _update_grads(model, batch, **grpo):
+    """The summed gradient of one `grpo_update` (SGD at lr 0: the weights stay put)."""
+    model = __import__("copy").deepcopy(model).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    captured = {}
+    step = opt.step
+    opt.step = lambda: captured.setdefault("g", [p.grad.clone() for p in model.parameters()]) and step()
+    grpo_update(model, None, opt, batch, GRPOConfig(kl_coef=0.0, grad_clip=1e9, **grpo))
+    return captured["g"]
+
+
+def test_the_prefix_run_once_for_all_micro_batches_gives_the_same_gradient(tiny_model, tokenizer, rollouts):
+    """`grpo.prefix_once`: the system prompt runs once an update, its keys' and values' gradients from every
+    micro-batch summed and sent back through it once -- the gradient of running it in each micro-batch."""
+    from toolcollapse.rl import batch_prefix, reference_logprobs
+
+    adv = torch.tensor([1.0, -0.5, 0.2, -1.0, 0.3, 0.0])
+    batch = build_batch(rollouts, adv, tokenizer.pad_token_id)
+    assert batch_prefix(tiny_model, batch).length > 100  # the system prompt
+    once, each = (_update_grads(tiny_model, batch, micro_batch_size=2, prefix_once=flag) for flag in (True, False))
+    for a, b in zip(once, each):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+    k_proj = [n for n, _ in tiny_model.named_parameters()].index("model.layers.0.self_attn.k_proj.weight")
+    assert once[k_proj].abs().max() > 1e-4  # the prefix's keys do carry gradient: without its backward, no match
+    g = GRPOConfig(micro_batch_size=2)
+    with torch.no_grad():
+        ref = [reference_logprobs(tiny_model, batch, __import__("dataclasses").replace(g, prefix_once=flag))
+               for flag in (True, False)]
+    for a, b in zip(*ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
 def test_nonfinite_guard_skips_the_step(tiny_model, tokenizer, rollouts):
     model = __import__("copy").deepcopy(tiny_model).train()
     batch = build_batch(rollouts, torch.tensor([float("nan"), 1, 0, 0, 0, 0]), tokenizer.pad_token_id)
@@ -121,14 +153,14 @@ def test_nonfinite_guard_skips_the_step(tiny_model, tokenizer, rollouts):
 # ----------------------------------------------------------------------------- resume
 
 
-def _rl_config(tmp_path, init, **grpo):
+def _rl_config(tmp_path, init, temperature=1.0, **grpo):
     cfg = RunConfig(
         seed=3, init=str(init), world=WorldConfig(n_train=40, n_test=4, n_ood=4),
         grpo=GRPOConfig(**{**dict(steps=5, prompts_per_step=2, group_size=2, lr=1e-3, micro_batch_size=2,
                                   checkpoint_every=2, kl_coef=1e-3, samples_per_step=1), **grpo}),
     )
     cfg = __import__("dataclasses").replace(cfg, rollout=__import__("dataclasses").replace(
-        cfg.rollout, max_turns=2, max_new_tokens=12))
+        cfg.rollout, max_turns=2, max_new_tokens=12, temperature=temperature))
     path = tmp_path / "rl.yaml"
     dump_config(cfg, path)
     return path
@@ -141,19 +173,20 @@ def _metrics(run_dir):
 
 @pytest.mark.slow
 def test_sigkill_and_resume_reproduce_an_uninterrupted_run(tmp_path, answering_checkpoint):
-    """The weights move (informative groups through the format reward), so a resume that lost the
-    optimizer's moments, the RNG state or the step would end elsewhere: metrics and final weights
-    must equal an uninterrupted run's."""
+    """The weights move (informative groups through the format reward; at temperature 2 the answering
+    checkpoint writes ~20 % malformed turns, at 1 ~2 %), so a resume that lost the optimizer's moments,
+    the RNG state or the step would end elsewhere: metrics and final weights must equal an uninterrupted
+    run's."""
     from safetensors.torch import load_file
 
-    config = _rl_config(tmp_path, answering_checkpoint, format_reward=1.0, group_size=4)
+    config = _rl_config(tmp_path, answering_checkpoint, temperature=2.0, format_reward=1.0, group_size=4)
     cmd = [sys.executable, "-m", "toolcollapse.cli", "rl", "--config", str(config)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run(cmd + ["--out", str(tmp_path / "full"), "--set", "threads=1"], check=True, env=env,
-                   capture_output=True)
+    sets = ["--set", "threads=1", "--set", "monitor.grad_share_every=2"]  # the gradient share resumes alike too
+    subprocess.run(cmd + ["--out", str(tmp_path / "full"), *sets], check=True, env=env, capture_output=True)
 
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(cmd + ["--out", str(killed), "--set", "threads=1"], env=env,
+    proc = subprocess.Popen(cmd + ["--out", str(killed), *sets], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     marker = killed / "checkpoints" / "step_000002" / "COMPLETE"
     deadline = time.time() + 120
@@ -168,6 +201,7 @@ def test_sigkill_and_resume_reproduce_an_uninterrupted_run(tmp_path, answering_c
     full, resumed = _metrics(tmp_path / "full"), _metrics(killed)
     assert [m["step"] for m in resumed] == list(range(5))
     assert sum(m["frac_groups_informative"] > 0 for m in full) >= 2  # updates that carry a gradient
+    assert any("ctrl/grad_sq_share" in m for m in full)  # measured at an informative step 0, 2 or 4
     assert resumed == full
     start = load_file(answering_checkpoint / "model.safetensors")
     ends = [load_file(run / "checkpoints" / "step_000005" / "model.safetensors") for run in (tmp_path / "full", killed)]

@@ -5,19 +5,21 @@ import torch
 
 from toolcollapse.chat import generation_prompt, message_pieces, turn_suffix
 from toolcollapse.records import Message
-from toolcollapse.rollout import RolloutEngine, SamplingParams, sample_next
+from toolcollapse.rollout import RolloutEngine, SamplingParams, draw, sample_next
 
 
 @pytest.fixture(scope="module")
 def policy(tiny_model, tokenizer):
-    """The random tiny model with a logit bias towards </tool_call> (p ~ 0.1 per token), so
-    turns end on calls and episodes run several turns: tool errors come back, get appended."""
+    """The random tiny model with a logit bias towards <tool_call> and </tool_call>, so turns open and
+    end calls and episodes run several turns (7-13 of 24 in the fixture, whatever the seed): tool errors
+    come back, get appended."""
     model = copy.deepcopy(tiny_model)
     head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
     with torch.no_grad():
         head.weight.copy_(model.get_output_embeddings().weight)
         head.bias.zero_()
         head.bias[tokenizer.convert_tokens_to_ids("</tool_call>")] = 4.0
+        head.bias[tokenizer.convert_tokens_to_ids("<tool_call>")] = 4.0
     model.lm_head = head
     return model.eval()
 
@@ -100,10 +102,23 @@ def test_greedy_sampling_and_top_p():
     tok, lp = sample_next(logits, SamplingParams(greedy=True), None)
     assert tok.tolist() == [1, 0]
     torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(1, tok[:, None]).squeeze(1))
-    g = torch.Generator().manual_seed(0)
-    tok, lp = sample_next(logits.repeat(200, 1), SamplingParams(top_p=0.5), g)
+    tok, lp = sample_next(logits.repeat(200, 1), SamplingParams(top_p=0.5), torch.rand(400, dtype=torch.float64))
     assert set(tok[0::2].tolist()) == {1} and set(tok[1::2].tolist()) == {0}  # only the top token survives
     assert torch.allclose(lp, torch.zeros_like(lp))  # renormalised: log 1
+
+
+def test_draw_follows_the_probabilities_and_never_draws_a_zero():
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3, 0.0], [0.0, 0.0, 0.0, 2.0, 0.0]])  # the second row unnormalised
+    g = torch.Generator().manual_seed(0)
+    tokens = draw(probs.repeat(20_000, 1), torch.rand(40_000, generator=g, dtype=torch.float64)).view(20_000, 2)
+    freq = torch.bincount(tokens[:, 0], minlength=5) / 20_000
+    torch.testing.assert_close(freq, probs[0], atol=0.012, rtol=0)  # 4 standard errors at p = 0.5
+    assert set(tokens[:, 1].tolist()) == {3}
+
+
+def test_draw_at_the_top_of_the_cdf_keeps_to_possible_tokens():
+    """u * total can round up to the total; searchsorted then points past the last token of probability > 0."""
+    assert draw(torch.tensor([[0.2, 0.8, 0.0, 0.0]]), torch.ones(1, dtype=torch.float64)).tolist() == [1]
 
 
 class Scripted(torch.nn.Module):
@@ -192,3 +207,14 @@ def test_shared_prefix_attention_and_row_compaction_change_no_greedy_episode(tin
                                torch.tensor([x for e in before for x in e.logprobs]), atol=1e-4, rtol=0)
     lengths = {t.end - t.start for e in now for t in e.turns}
     assert len(lengths) > 3 and max(len(e.turns) for e in now) > 1  # rows left the batch; turns were appended
+
+
+def test_a_sampled_episode_does_not_depend_on_its_batch(engine, policy, tokenizer, world, episodes):
+    """Each sequence draws from its own stream: the same sampled episodes in batches of 12 and of 5, and
+    through the engine without shared-prefix attention and row compaction (whose batches differ)."""
+    tasks, eps = episodes
+    small = engine.generate(tasks, SamplingParams(max_turns=4, max_new_tokens=40, batch_size=5), 3, seed=7)
+    old = RolloutEngine(policy, tokenizer, world, cascade=False, compact=False).generate(
+        tasks, SamplingParams(max_turns=4, max_new_tokens=40, batch_size=12), 3, seed=7)
+    assert [e.tokens for e in small] == [e.tokens for e in eps] == [e.tokens for e in old]
+    assert len({tuple(e.tokens) for e in eps[:3]}) > 1  # a group's rows do sample apart

@@ -214,8 +214,8 @@ class RolloutConfig(Checked):
     # decoding step for all rows (cascade attention, attention.py); False: a copy per row (the path before)
     shared_prefix_attention: bool = True
     # Rows whose turn has ended leave the decoding batch until the turn ends (False: they decode pads in
-    # lock-step, 40 % of the row-steps in the study config). Same greedy episodes; sampled ones draw
-    # the random stream in another order.
+    # lock-step, 40 % of the row-steps in the study config). The same episodes, greedy or sampled (each
+    # sequence draws from its own random stream).
     compact_finished_rows: bool = True
 
 
@@ -248,6 +248,10 @@ class GRPOConfig(Checked):
     # another order) with less padding (57 % of the rollout part was padding in the study config). False: in
     # rollout order, padded to the batch's longest row (the path before; for benchmarks).
     sort_micro_batches: bool = True
+    # The prefix every row shares (the system prompt) run once for all micro-batches of an update, its keys'
+    # and values' gradients summed before one backward through it (exact). False: once per micro-batch (the
+    # path before; for benchmarks).
+    prefix_once: bool = True
     format_reward: NonNegative = 0.0  # optional shaping: + format_reward * share of healthy turns
     split: Split = "train"
     checkpoint_every: Count = 10
@@ -365,8 +369,10 @@ class MonitorConfig(Checked):
     probe_size: NonNegInt = 32  # oracle conversations of the training split in the probe set
     control_tokens: tuple[str, ...] = ("<tool_call>", "</tool_call>", "<|im_end|>", "<|im_start|>",
                                        "<tool_response>")
-    # Share of the policy-gradient norm from control-token positions, every N steps on a sub-batch (0: never)
-    grad_share_every: NonNegInt = 10
+    # Share of the policy-gradient norm from control-token positions, every N steps on a sub-batch (0: never).
+    # A research diagnostic (ctrl/grad_sq_share; no alarm or figure reads it): an extra forward and two
+    # backward passes, 2-3.5 % of the tiny tier's step at every 10 (docs/BENCHMARKS.md), so off by default.
+    grad_share_every: NonNegInt = 0
     grad_share_rows: NonNegInt = 8  # rollouts with a non-zero advantage in that sub-batch
     # Alarms (alarms.py): a detector on each probe series -- the control tokens' miss rates where required
     # and peak mass where forbidden (empty alarm_series), or the metric names listed -- with a warm-up in

@@ -64,8 +64,8 @@ from toolcollapse.envs import make_env
 from toolcollapse.evaluate import sampling_params
 from toolcollapse.losses import aggregate, kl_k3, luffy_loss, ppo_clip_loss, unlikelihood
 from toolcollapse.parser import first_rejected_control
-from toolcollapse.model import (device_of, load_model, load_tokenizer, logits_at, place, resolve_device,
-                                shared_prefix_len)
+from toolcollapse.model import (device_of, load_model, load_tokenizer, logits_after, logits_at, place,
+                                resolve_device, run_prefix, shared_prefix_len)
 from toolcollapse.sources import add_control_tokens, apply_lora, ready_for_chatml, token_ids
 from toolcollapse.monitor import (ProbeSet, build_probe, content_labels, control_gradient_share, resolve_token_ids,
                                   run_probe, sampled_control_stats)
@@ -121,13 +121,53 @@ def unlikely_positions(episodes: Sequence[Episode], id_to_tag: dict[int, str], c
     return out
 
 
-def policy_logprobs(model: Any, batch: PolicyBatch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass
+class BatchPrefix:
+    """The prefix every row of a batch shares (the system prompt), run once for all its micro-batches.
+
+    Micro-batches attend to `kv` (`model.logits_after`). When the prefix ran under autograd, its keys
+    and values in `kv` are leaves that sum each micro-batch's gradient, and `backward` sends that sum once
+    through the prefix's forward to the weights: the gradient of running the prefix in every micro-batch."""
+
+    length: int
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, [1, Hkv, P, D]
+    graph: list[tuple[torch.Tensor, torch.Tensor]]  # (the prefix forward's tensor, its leaf in kv)
+
+    def backward(self) -> None:
+        pairs = [(out, leaf) for out, leaf in self.graph if leaf.grad is not None]
+        if pairs:
+            torch.autograd.backward([out for out, _ in pairs], [leaf.grad for _, leaf in pairs])
+
+
+def batch_prefix(model: Any, batch: PolicyBatch) -> BatchPrefix | None:
+    """The batch's shared prefix run once (None when the rows share too little): up to the position
+    that predicts the first sampled token, so every trained position lies after it."""
+    sampled = batch.target_mask.any(dim=0).nonzero()
+    if len(sampled) == 0:
+        return None
+    length = min(shared_prefix_len([r.tolist() for r in batch.input_ids]), int(sampled.min()) - 1)
+    if length <= 0:
+        return None
+    leaf = lambda t: t.detach().requires_grad_() if t.requires_grad else t  # noqa: E731
+    kv = run_prefix(model, batch.input_ids[:1, :length])
+    leaves = [(leaf(k), leaf(v)) for k, v in kv]
+    graph = [(out, new) for pair, new_pair in zip(kv, leaves) for out, new in zip(pair, new_pair) if out.requires_grad]
+    return BatchPrefix(length, leaves, graph)
+
+
+def policy_logprobs(model: Any, batch: PolicyBatch, temperature: float = 1.0,
+                    prefix: BatchPrefix | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob and entropy of the sampling distribution (logits / temperature) at every sampled
-    token, [M] each, row-major."""
+    token, [M] each, row-major. `prefix`: the batch's shared prefix, already run (`batch_prefix`);
+    else the rows' shared prefix is run here, once for them."""
     select = torch.zeros_like(batch.target_mask)
     select[:, :-1] = batch.target_mask[:, 1:]  # the position before a sampled token predicts it
-    prefix = shared_prefix_len([r.tolist() for r in batch.input_ids])
-    logits = logits_at(model, batch.input_ids, select, prefix)  # [M, V] float32
+    if prefix is None:
+        length = shared_prefix_len([r.tolist() for r in batch.input_ids])
+        logits = logits_at(model, batch.input_ids, select, length)  # [M, V] float32
+    else:
+        p = prefix.length
+        logits = logits_after(model, prefix.kv, batch.input_ids[:, p:], select[:, p:])
     logp_all = torch.log_softmax(logits / temperature, dim=-1)
     targets = batch.input_ids[batch.target_mask]  # [M]
     logp = logp_all.gather(1, targets[:, None]).squeeze(1)
@@ -171,8 +211,9 @@ def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torc
     n_unlikely = int(batch.unlikely.sum()) if unlikelihood_coef > 0 and batch.unlikely is not None else 0
     sums: Counter[str] = Counter()
     finite = True
+    prefix = batch_prefix(model, batch) if cfg.prefix_once else None
     for k, mb in enumerate(micro_batches(batch, cfg.micro_batch_size, cfg.sort_micro_batches)):
-        logp, entropy = policy_logprobs(model, mb, temperature)
+        logp, entropy = policy_logprobs(model, mb, temperature, prefix)
         old = mb.old_logp[mb.target_mask]
         seq_ids = mb.target_mask.nonzero()[:, 0]  # [M] row of each sampled token
         adv = mb.advantages[seq_ids]
@@ -207,6 +248,8 @@ def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torc
             for name in ("clip_frac_low", "clip_frac_high", "dual_clip_frac"):
                 sums[name] += getattr(pg_stats, name) * m
             sums["ratio_max"] = max(sums["ratio_max"], pg_stats.ratio_max)
+    if prefix is not None and finite:
+        prefix.backward()
     if extra is not None and finite:
         finite &= extra()
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)) if finite else math.nan
@@ -291,7 +334,8 @@ def recompute_old_logprobs(model: Any, batch: PolicyBatch, rows: Sequence[int], 
 @torch.no_grad()
 def reference_logprobs(ref_model: Any, batch: PolicyBatch, g: Any, temperature: float = 1.0) -> list[torch.Tensor]:
     """The reference's log-probs [M] per micro-batch, in `grpo_update`'s micro-batches."""
-    return [policy_logprobs(ref_model, mb, temperature)[0]
+    prefix = batch_prefix(ref_model, batch) if g.prefix_once else None
+    return [policy_logprobs(ref_model, mb, temperature, prefix)[0]
             for mb in micro_batches(batch, g.micro_batch_size, g.sort_micro_batches)]
 
 
