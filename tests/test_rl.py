@@ -118,14 +118,21 @@ def _update_grads(model, batch, **grpo):
     return captured["g"]
 
 
-def test_the_prefix_run_once_for_all_micro_batches_gives_the_same_gradient(tiny_model, tokenizer, rollouts):
+@pytest.mark.parametrize("rows", ["two tasks", "one row twice", "two rows with nothing sampled"])
+def test_the_prefix_run_once_for_all_micro_batches_gives_the_same_gradient(tiny_model, tokenizer, rollouts, rows):
     """`grpo.prefix_once`: the system prompt runs once an update, its keys' and values' gradients from every
-    micro-batch summed and sent back through it once -- the gradient of running it in each micro-batch."""
+    micro-batch summed and sent back through it once -- the gradient of running it in each micro-batch.
+    "one row twice": the rows share everything, sampled tokens too, so the prefix stops before the first."""
     from toolcollapse.rl import batch_prefix, reference_logprobs
 
-    adv = torch.tensor([1.0, -0.5, 0.2, -1.0, 0.3, 0.0])
-    batch = build_batch(rollouts, adv, tokenizer.pad_token_id)
-    assert batch_prefix(tiny_model, batch).length > 100  # the system prompt
+    episodes, adv = ([rollouts[0]] * 2, [1.0, -0.5]) if rows == "one row twice" else (rollouts, [1.0, -0.5, 0.2, -1.0,
+                                                                                                 0.3, 0.0])
+    batch = build_batch(episodes, torch.tensor(adv), tokenizer.pad_token_id)
+    if rows == "two rows with nothing sampled":  # sorted by length, they make a micro-batch of their own
+        batch.target_mask[4:] = False
+    first_sampled = int(batch.target_mask[0].nonzero().min())
+    length = batch_prefix(tiny_model, batch).length
+    assert length > 100 and (length == first_sampled - 1 if rows == "one row twice" else length < first_sampled - 1)
     once, each = (_update_grads(tiny_model, batch, micro_batch_size=2, prefix_once=flag) for flag in (True, False))
     for a, b in zip(once, each):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)

@@ -116,6 +116,13 @@ def test_draw_follows_the_probabilities_and_never_draws_a_zero():
     assert set(tokens[:, 1].tolist()) == {3}
 
 
+def test_draw_refuses_a_distribution_that_is_not_one():
+    with pytest.raises(ValueError, match="rows \\[1\\] is NaN, infinite or all zero"):
+        draw(torch.tensor([[0.5, 0.5], [float("nan"), 0.5]]), torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="rows \\[0\\]"):
+        draw(torch.zeros(1, 3), torch.zeros(1, dtype=torch.float64))
+
+
 def test_draw_at_the_top_of_the_cdf_keeps_to_possible_tokens():
     """u * total can round up to the total; searchsorted then points past the last token of probability > 0."""
     assert draw(torch.tensor([[0.2, 0.8, 0.0, 0.0]]), torch.ones(1, dtype=torch.float64)).tolist() == [1]

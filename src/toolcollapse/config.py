@@ -249,8 +249,8 @@ class GRPOConfig(Checked):
     # rollout order, padded to the batch's longest row (the path before; for benchmarks).
     sort_micro_batches: bool = True
     # The prefix every row shares (the system prompt) run once for all micro-batches of an update, its keys'
-    # and values' gradients summed before one backward through it (exact). False: once per micro-batch (the
-    # path before; for benchmarks).
+    # and values' gradients summed before one backward through it (exact in float32; in bfloat16 the sum is
+    # rounded once more, as accurate against float32). False: once per micro-batch (the path before).
     prefix_once: bool = True
     format_reward: NonNegative = 0.0  # optional shaping: + format_reward * share of healthy turns
     split: Split = "train"

@@ -162,7 +162,7 @@ def policy_logprobs(model: Any, batch: PolicyBatch, temperature: float = 1.0,
     else the rows' shared prefix is run here, once for them."""
     select = torch.zeros_like(batch.target_mask)
     select[:, :-1] = batch.target_mask[:, 1:]  # the position before a sampled token predicts it
-    if prefix is None:
+    if prefix is None or batch.input_ids.shape[1] <= prefix.length:  # (a micro-batch with nothing sampled)
         length = shared_prefix_len([r.tolist() for r in batch.input_ids])
         logits = logits_at(model, batch.input_ids, select, length)  # [M, V] float32
     else:

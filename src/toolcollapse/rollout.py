@@ -88,7 +88,12 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     from one generator: 0.8 ms a call at 32 x 1929, 7 % of a rollout.) A token of probability 0 is
     never drawn."""
     cdf = probs.double().cumsum(dim=-1)  # [N, V]
-    u = uniforms.to(cdf)[:, None] * cdf[:, -1:]
+    total = cdf[:, -1]
+    bad = ~torch.isfinite(total) | (total <= 0)
+    if bad.any():
+        raise ValueError(f"sampling distribution of rows {bad.nonzero()[:, 0].tolist()[:5]} is NaN, infinite or all "
+                         "zero: the model's logits are not finite (diverged weights?)")
+    u = uniforms.to(cdf)[:, None] * total[:, None]
     tokens = torch.searchsorted(cdf, u, right=True).squeeze(1)  # the first token whose CDF exceeds u
     last = probs.shape[1] - 1 - (probs > 0).flip(dims=[1]).int().argmax(dim=1)  # u rounded up to the total
     return torch.minimum(tokens, last)
