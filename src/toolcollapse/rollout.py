@@ -94,9 +94,12 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"sampling distribution of rows {bad.nonzero()[:, 0].tolist()[:5]} is NaN, infinite or all "
                          "zero: the model's logits are not finite (diverged weights?)")
     u = uniforms.to(cdf)[:, None] * total[:, None]
-    tokens = torch.searchsorted(cdf, u, right=True).squeeze(1)  # the first token whose CDF exceeds u
-    last = probs.shape[1] - 1 - (probs > 0).flip(dims=[1]).int().argmax(dim=1)  # u rounded up to the total
-    return torch.minimum(tokens, last)
+    tokens = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)  # CDF first > u
+    stuck = probs.gather(1, tokens[:, None]).squeeze(1) <= 0  # u rounded up to the total: past the last possible
+    if stuck.any():  # (rare: only then the extra pass over the vocabulary)
+        last = probs.shape[1] - 1 - (probs > 0).flip(dims=[1]).int().argmax(dim=1)
+        tokens = torch.where(stuck, last, tokens)
+    return tokens
 
 
 def row_stream(seed: int, row: int) -> random.Random:
