@@ -30,8 +30,9 @@ def timed(fn, *args, **kwargs):
 def test_a_call_past_the_limit_is_stopped_and_the_sessions_lose_nothing(sandbox):
     a, b = sandbox.open(h.new_list), sandbox.open(h.new_list)
     assert [sandbox.call(a, h.push, x).value for x in (1, 2)] == [1, 2] and sandbox.call(b, h.push, 9).value == 1
-    # 7**4000 ** 1000 is one C-level multiplication loop of seconds: only killing the process stops it
-    out, seconds = timed(sandbox.call, a, h.pow_int, 7**4000, 1000)
+    # (7**4000) ** 4000 is one C-level multiplication loop of ~10 s (** 1000 took 0.99 s on a 2-core Xeon, too
+    # close to the limit: it once finished in time): only killing the process stops it
+    out, seconds = timed(sandbox.call, a, h.pow_int, 7**4000, 4000)
     assert out.timed_out and not out.ok and "timeout" in out.error and seconds < LIMIT + MARGIN
     assert sandbox.restarts == 1
     assert sandbox.call(a, h.contents).value == [1, 2]  # rebuilt by replay; the stopped call left no trace
