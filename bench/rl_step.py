@@ -7,7 +7,9 @@ from the same checkpoint and seed, in alternating order:
         rollout.compact_finished_rows=false (rows whose turn ended decode pads),
         grpo.sort_micro_batches=false, grpo.micro_batch_size=16 (micro-batches of 16 in
         rollout order, padded to the batch's longest row), grpo.prefix_once=false (the system
-        prompt run in each micro-batch of the update and of the reference pass)
+        prompt run in each micro-batch of the update and of the reference pass), and
+        attention.PREFIX_FLASH=False (teacher-forced rows attend to a per-row copy of the
+        prefix under a mask, one fused kernel, instead of the two flash kernels)
   new:  the defaults.
 Exactness check: 4 tasks x 8 through both engines give identical episodes, greedy and sampled
 (every sequence draws from its own random stream, so the old engine's batches -- rows that ended
@@ -29,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from toolcollapse import attention
 from toolcollapse.config import load_config
 from toolcollapse.envs import make_env
 from toolcollapse.evaluate import sampling_params
@@ -74,6 +77,7 @@ def main() -> None:
     rows: dict[str, list[dict]] = {"old": [], "new": []}
     for k in range(args.rounds):
         for name in (("old", "new") if k % 2 == 0 else ("new", "old")):
+            attention.PREFIX_FLASH = name == "new"
             metrics = run(args.checkpoint, args.steps, OLD if name == "old" else [])
             rows[name].append(metrics)
     first = {name: [(r[0]["reward_mean"], round(r[0]["healthy_rate"], 4), r[0]["response_tokens"]) for r in runs]

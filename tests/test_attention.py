@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from toolcollapse.attention import SplitKV, causal_mask, cascade_attention, split_attention
+from toolcollapse.attention import (SplitKV, causal_mask, cascade_attention, flash_split_attention,
+                                    prefix_causal_attention, split_attention)
 from toolcollapse.kvcache import AppendOnlyLayer
 
 
@@ -40,6 +41,52 @@ def test_split_attention_equals_attention_over_the_joined_keys(b, h, hkv, t, p, 
 
     out, _ = cascade_attention(Module(), q, SplitKV(kp, kr), SplitKV(vp, vr), mask, scaling=8 ** -0.5)
     torch.testing.assert_close(out.transpose(1, 2), expected, atol=2e-6, rtol=0)  # both paths (t <= 4, t > 4)
+
+
+@pytest.mark.parametrize("b, h, hkv, t, p, s", [(3, 4, 4, 5, 8, 9), (2, 9, 3, 6, 5, 6), (2, 4, 4, 7, 6, 7)])
+def test_flash_split_attention_of_a_chunk_equals_attention_over_the_joined_keys(b, h, hkv, t, p, s):
+    """Rollout chunks (no gradient): every query against the one prefix, then the rests under the mask;
+    a query that sees none of its rest (row 1's first) attends to the prefix alone."""
+    torch.manual_seed(b * 10 + s)
+    q, kp, vp = torch.randn(b, h, t, 8), torch.randn(1, hkv, p, 8), torch.randn(1, hkv, p, 8)
+    kr, vr = torch.randn(b, hkv, s, 8), torch.randn(b, hkv, s, 8)
+    mask = causal_mask(t, s).expand(b, 1, t, s).clone()
+    mask[0, :, :, 0] = False
+    mask[1, :, 0, :] = False
+    expected = joined_reference(q, kp, vp, kr, vr, mask)
+    got = flash_split_attention(q, SplitKV(kp, kr), SplitKV(vp, vr), mask, 8 ** -0.5)
+    torch.testing.assert_close(got, expected, atol=2e-6, rtol=0)
+
+    class Module:
+        num_key_value_groups, is_causal, training = h // hkv, True, False
+
+    with torch.no_grad():  # the path cascade_attention takes for a chunk without gradient
+        out, _ = cascade_attention(Module(), q, SplitKV(kp, kr), SplitKV(vp, vr), mask, scaling=8 ** -0.5)
+    torch.testing.assert_close(out.transpose(1, 2), expected, atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("hkv, dtype, tol", [(4, torch.float32, 2e-6), (2, torch.float32, 2e-6),
+                                             (2, torch.bfloat16, 3e-2)])
+def test_prefix_causal_attention_and_its_gradients_equal_attention_over_the_joined_keys(hkv, dtype, tol):
+    """A teacher-forced forward's attention (rests causal, right-padded) and every input's gradient."""
+    torch.manual_seed(hkv)
+    b, h, t, p = 3, 4, 7, 5
+    inputs = [torch.randn(b, h, t, 8), torch.randn(1, hkv, p, 8), torch.randn(1, hkv, p, 8),
+              torch.randn(b, hkv, t, 8), torch.randn(b, hkv, t, 8)]
+    grad = torch.randn(b, h, t, 8)
+    results = []
+    for path in ("reference", "flash"):
+        xs = [x.to(dtype).requires_grad_() for x in inputs]
+        if path == "reference":
+            out = joined_reference(*[x.float() for x in xs], causal_mask(t, t).expand(b, 1, t, t))
+        else:
+            out = prefix_causal_attention(xs[0], SplitKV(xs[1], xs[3], causal=True),
+                                          SplitKV(xs[2], xs[4], causal=True), 8 ** -0.5)
+            assert out.dtype == dtype
+        out.float().backward(grad)
+        results.append([out.detach().float(), *(x.grad.float() for x in xs)])
+    for got, expected in zip(results[1], results[0]):
+        torch.testing.assert_close(got, expected, atol=tol, rtol=0)
 
 
 def test_rows_taken_out_of_an_append_only_cache_come_back_masked_to_the_new_length():

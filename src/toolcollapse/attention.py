@@ -14,8 +14,11 @@ maxima and sums (the log-sum-exp merge of cascade attention, as in FlashInfer):
 The split pays where attention is memory-bound: decoding, one query a row (2.6-5.7x faster
 than SDPA over per-row copies at 32 rows, 650 + 50..400 keys, 1 thread). For chunks of many
 queries a row (a prompt's rest, an observation) one fused SDPA kernel over a per-row copy
-is faster, and is used; a training forward (hundreds of queries a row) gains nothing and
-keeps its own path (`model.hidden_states`).
+is faster, and is used. A teacher-forced forward on the CPU (training, the reference pass, the
+probe: the rest is each row's own right-padded tokens, attended causally) runs two fused
+flash kernels that also return their log-sum-exp -- every query of the batch against the one
+prefix, unmasked; each row's rest under `is_causal`, which skips the masked half -- and merges
+them (`prefix_causal_attention`, with its exact backward).
 
 It plugs into any Hugging Face model that routes attention through `AttentionInterface`
 (Llama, Qwen2, SmolLM2, ...): a cache layer hands the attention function a `SplitKV`
@@ -39,6 +42,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 CASCADE = "toolcollapse_cascade"
 DECODE_MAX_QUERIES = 4  # up to this many queries a row, the split products (decoding); above, one fused kernel
+PREFIX_FLASH = True  # teacher-forced forwards on the CPU: two flash kernels (False: the copy, as before; benchmarks)
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ class SplitKV:
 
     prefix: torch.Tensor  # [1, Hkv, P, D]
     rest: torch.Tensor  # [B, Hkv, S, D]
+    causal: bool = False  # the rest is the queries' own tokens, attended causally (a teacher-forced forward)
 
 
 def cascade_attention(module: Any, query: torch.Tensor, key: SplitKV | torch.Tensor, value: SplitKV | torch.Tensor,
@@ -57,8 +62,14 @@ def cascade_attention(module: Any, query: torch.Tensor, key: SplitKV | torch.Ten
     if not isinstance(key, SplitKV):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    if query.shape[2] > DECODE_MAX_QUERIES:  # a chunk (prompt rest, observation): one fused kernel over a copy
-        return joined_attention(module, query, key, value, attention_mask, scaling, **kwargs)
+    if key.causal and PREFIX_FLASH and query.device.type == "cpu" and not dropout:
+        out = prefix_causal_attention(query, key, value, scaling or query.shape[-1] ** -0.5)
+        return out.transpose(1, 2), None
+    if query.shape[2] > DECODE_MAX_QUERIES:  # a chunk (prompt rest, observation)
+        if PREFIX_FLASH and query.device.type == "cpu" and not torch.is_grad_enabled():
+            out = flash_split_attention(query, key, value, attention_mask, scaling or query.shape[-1] ** -0.5)
+            return out.transpose(1, 2), None
+        return joined_attention(module, query, key, value, attention_mask, scaling, **kwargs)  # one kernel, a copy
     out = split_attention(query, key, value, attention_mask, scaling or query.shape[-1] ** -0.5)
     return out.transpose(1, 2).to(query.dtype), None
 
@@ -103,6 +114,80 @@ def split_attention(query: torch.Tensor, key: SplitKV, value: SplitKV, mask: tor
     num = num_p + torch.matmul(e_r, value.rest.float())
     den = e_p.sum(dim=-1).view(hkv, b, g * t).transpose(0, 1) + e_r.sum(dim=-1)  # [B, Hkv, gT]
     return (num / den[..., None]).reshape(b, h, t, d)
+
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+class _PrefixCausal(torch.autograd.Function):
+    """Attention of q [B, H, T, D] over [prefix kp, vp [1, H, P, D] ; each row's own k, v [B, H, T, D] causal].
+
+    Two flash kernels, each returning its log-sum-exp l: o_p (all B*T queries against the prefix,
+    one batch) and o_r (the rows, is_causal). Merged: out = w o_p + (1 - w) o_r, w = sigmoid(l_p - l_r).
+    Backward: the merged output is the softmax over both parts, whose score gradient in part x is
+    P_x (dO V_x^T - rowsum(dO * out)) scaled by its weight; the flash backward computes exactly that
+    when handed the gradient w_x dO, the *merged* output and the part's own log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                scale: float) -> torch.Tensor:
+        b, h, t, d = q.shape
+        o_p, l_p = _flash(_rows_as_one(q), kp, vp, 0.0, False, scale=scale)  # [1, H, BT, D], [1, H, BT]
+        o_r, l_r = _flash(q, k, v, 0.0, True, scale=scale)  # [B, H, T, D], [B, H, T]
+        w = torch.sigmoid(l_p.view(h, b, t).transpose(0, 1).float() - l_r.float())[..., None]  # [B, H, T, 1]
+        out = torch.lerp(o_r.float(), o_p.view(h, b, t, d).transpose(0, 1).float(), w).to(q.dtype)
+        ctx.save_for_backward(q, kp, vp, k, v, out, l_p, l_r, w)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, kp, vp, k, v, out, l_p, l_r, w = ctx.saved_tensors
+        b, h, t, d = q.shape
+        g_p = (w * grad).to(grad.dtype)
+        dq_p, dkp, dvp = _flash_backward(_rows_as_one(g_p), _rows_as_one(q), kp, vp, _rows_as_one(out), l_p, 0.0,
+                                         False, scale=ctx.scale)
+        dq, dk, dv = _flash_backward((grad - g_p).contiguous(), q, k, v, out, l_r, 0.0, True, scale=ctx.scale)
+        return dq + dq_p.view(h, b, t, d).transpose(0, 1), dkp, dvp, dk, dv, None
+
+
+def _rows_as_one(x: torch.Tensor) -> torch.Tensor:
+    """[B, H, T, D] -> [1, H, B*T, D]: every row's queries in one batch (they attend to the same prefix)."""
+    b, h, t, d = x.shape
+    return x.transpose(0, 1).reshape(1, h, b * t, d)
+
+
+def flash_split_attention(query: torch.Tensor, key: SplitKV, value: SplitKV, mask: torch.Tensor | None,
+                          scale: float) -> torch.Tensor:
+    """Softmax attention of a chunk `query` [B, H, T, D] over the prefix and the rows' rests under `mask`
+    ([B, 1, T, S] bool, True: attend; None: all), no gradient; [B, H, T, D] in the query's dtype.
+    Two CPU flash kernels merged by their log-sum-exp: every query of the batch against the one prefix
+    (3x faster than one kernel over per-row copies for observation chunks: 32 rows x 30 queries, 650 + 300
+    keys, 1 thread), then the rests."""
+    b, h, t, d = query.shape
+    g = h // key.rest.shape[1]
+    dtype = query.dtype
+    kp, vp, k, v = (x.to(dtype) if g == 1 else x.to(dtype).repeat_interleave(g, dim=1)
+                    for x in (key.prefix, value.prefix, key.rest, value.rest))
+    o_p, l_p = _flash(_rows_as_one(query), kp, vp, 0.0, False, scale=scale)
+    bias = None if mask is None else torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+    o_r, l_r = _flash(query, k, v, 0.0, False, attn_mask=bias, scale=scale)
+    if mask is not None:  # a query that sees none of its rest: the kernel returns 0 and log-sum-exp 0
+        l_r = l_r.float().masked_fill(~mask.any(dim=-1), float("-inf"))
+    w = torch.sigmoid(l_p.view(h, b, t).transpose(0, 1).float() - l_r.float())[..., None]
+    return torch.lerp(o_r.float(), o_p.view(h, b, t, d).transpose(0, 1).float(), w).to(dtype)
+
+
+def prefix_causal_attention(query: torch.Tensor, key: SplitKV, value: SplitKV, scale: float) -> torch.Tensor:
+    """Softmax attention of `query` [B, H, T, D] over the prefix and, causally, the rows' own keys
+    (key.rest is [B, Hkv, T, D]: right-padded rows, whose pads only later pads see); [B, H, T, D] in
+    the query's dtype. CPU flash kernels; heads grouped over key-value heads (GQA) are repeated."""
+    g = query.shape[1] // key.rest.shape[1]
+    dtype = query.dtype
+    kp, vp, k, v = (x.to(dtype) if g == 1 else x.to(dtype).repeat_interleave(g, dim=1)
+                    for x in (key.prefix, value.prefix, key.rest, value.rest))
+    return _PrefixCausal.apply(query, kp, vp, k, v, scale)
 
 
 def causal_mask(t: int, s: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -113,7 +113,8 @@ class PrefixLayer(DynamicLayer):
         self.prefix_keys, self.prefix_values = prefix_keys, prefix_values  # [1, Hkv, P, D]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        return SplitKV(self.prefix_keys, key_states), SplitKV(self.prefix_values, value_states)
+        return (SplitKV(self.prefix_keys, key_states, causal=True),
+                SplitKV(self.prefix_values, value_states, causal=True))
 
     def get_seq_length(self) -> int:
         return self.prefix_keys.shape[-2]

@@ -178,22 +178,16 @@ def hidden_states(model: PreTrainedModel, input_ids: torch.Tensor, prefix_len: i
 
     The shared prefix -- the system prompt; in a GRPO group also the question and whatever
     the group's rollouts wrote alike -- is run once: its hidden states serve every row, and
-    its KV cache, repeated over the batch, is what the rest of each row attends to.
+    the rest of each row attends to its one copy of keys and values (`rest_hidden_states`).
     Gradients flow through both, so the result equals a plain forward over every row.
     Right padding needs no attention mask: causal attention never looks ahead at the pads.
     """
     decoder = model.get_decoder()
     if prefix_len == 0:
         return decoder(input_ids=input_ids).last_hidden_state
-    batch, width = input_ids.shape
-    cache = DynamicCache(config=model.config)
-    kw = cache_kwarg(decoder)
-    head = decoder(input_ids=input_ids[:1, :prefix_len], use_cache=True, **{kw: cache}).last_hidden_state
-    cache.batch_repeat_interleave(batch)
-    positions = torch.arange(prefix_len, width, device=input_ids.device).expand(batch, -1)
-    rest = decoder(input_ids=input_ids[:, prefix_len:], position_ids=positions, use_cache=True,
-                   **{kw: cache}).last_hidden_state
-    return torch.cat([head.expand(batch, -1, -1), rest], dim=1)  # [B, T, D]
+    head, prefix = _run_prefix(model, input_ids[:1, :prefix_len])
+    rest = rest_hidden_states(model, prefix, input_ids[:, prefix_len:])
+    return torch.cat([head.expand(len(input_ids), -1, -1), rest], dim=1)  # [B, T, D]
 
 
 def shared_prefix_len(rows: list[list[int]], min_len: int = 32) -> int:
@@ -222,23 +216,37 @@ def logits_at(model: PreTrainedModel, input_ids: torch.Tensor, select: torch.Ten
 def run_prefix(model: PreTrainedModel, prefix_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Keys and values [1, Hkv, P, D] of every layer for one prefix [1, P] run alone: what
     `logits_after` attends to, computed once for any number of batches that share it."""
+    return _run_prefix(model, prefix_ids)[1]
+
+
+def _run_prefix(model: PreTrainedModel, prefix_ids: torch.Tensor
+                ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The prefix's last hidden states [1, P, D] and its keys and values (`run_prefix`)."""
     decoder = model.get_decoder()
     cache = DynamicCache(config=model.config)
     with precision(model):
-        decoder(input_ids=prefix_ids, use_cache=True, **{cache_kwarg(decoder): cache})
-    return prefix_kv(cache)
+        head = decoder(input_ids=prefix_ids, use_cache=True, **{cache_kwarg(decoder): cache}).last_hidden_state
+    return head, prefix_kv(cache)
 
 
-def logits_after(model: PreTrainedModel, prefix: list[tuple[torch.Tensor, torch.Tensor]], input_ids: torch.Tensor,
-                 select: torch.Tensor) -> torch.Tensor:
-    """`logits_at` for rows that all start with the prefix `run_prefix` ran: input_ids, select [B, S]
-    are the rows without it. The rows attend to the one copy of the prefix (`cascade`)."""
+def rest_hidden_states(model: PreTrainedModel, prefix: list[tuple[torch.Tensor, torch.Tensor]],
+                       input_ids: torch.Tensor) -> torch.Tensor:
+    """Last hidden states [B, S, D] of right-padded rows [B, S] that continue the prefix `run_prefix` ran:
+    they attend to its one copy (`cascade`; on the CPU two flash kernels, `prefix_causal_attention`)."""
     decoder = model.get_decoder()
     batch, width = input_ids.shape
     start = prefix[0][0].shape[-2]
     positions = torch.arange(start, start + width, device=input_ids.device).expand(batch, -1)
     cache = cascade_cache(model.config, prefix, store=False)
     with cascade(model), precision(model):
-        hidden = decoder(input_ids=input_ids, position_ids=positions, attention_mask=causal_mask(width, width,
-                         input_ids.device), use_cache=True, **{cache_kwarg(decoder): cache}).last_hidden_state
+        return decoder(input_ids=input_ids, position_ids=positions, attention_mask=causal_mask(width, width,
+                       input_ids.device), use_cache=True, **{cache_kwarg(decoder): cache}).last_hidden_state
+
+
+def logits_after(model: PreTrainedModel, prefix: list[tuple[torch.Tensor, torch.Tensor]], input_ids: torch.Tensor,
+                 select: torch.Tensor) -> torch.Tensor:
+    """`logits_at` for rows that all start with the prefix `run_prefix` ran: input_ids, select [B, S]
+    are the rows without it. The rows attend to the one copy of the prefix (`cascade`)."""
+    hidden = rest_hidden_states(model, prefix, input_ids)
+    with precision(model):
         return model.get_output_embeddings()(hidden[select]).float()  # [M, V]
