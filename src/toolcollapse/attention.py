@@ -11,14 +11,15 @@ maxima and sums (the log-sum-exp merge of cascade attention, as in FlashInfer):
     softmax over [prefix ; rest] = (e_p @ V_p + e_r @ V_r) / (sum e_p + sum e_r),
     e_x = exp(q K_x^T * scale - m),  m = the max over both parts.
 
-The split pays where attention is memory-bound: decoding, one query a row (2.6-5.7x faster
-than SDPA over per-row copies at 32 rows, 650 + 50..400 keys, 1 thread). For chunks of many
-queries a row (a prompt's rest, an observation) one fused SDPA kernel over a per-row copy
-is faster, and is used. A teacher-forced forward on the CPU (training, the reference pass, the
-probe: the rest is each row's own right-padded tokens, attended causally) runs two fused
-flash kernels that also return their log-sum-exp -- every query of the batch against the one
-prefix, unmasked; each row's rest under `is_causal`, which skips the masked half -- and merges
-them (`prefix_causal_attention`, with its exact backward).
+The split products pay where attention is memory-bound: decoding, one query a row (2.6-5.7x
+faster than SDPA over per-row copies at 32 rows, 650 + 50..400 keys, 1 thread). Chunks of many
+queries a row are compute-bound; on the CPU they run two fused flash kernels that also return
+their log-sum-exp -- every query of the batch against the one prefix, unmasked, then each row's
+rest -- merged the same way: rollout chunks (a prompt's rest, an observation; no gradient) with
+the rest under the mask (`flash_split_attention`), teacher-forced forwards (training, the
+reference pass, the probe: right-padded rows, the rest causal) under `is_causal`, with an exact
+backward (`prefix_causal_attention`). Elsewhere (CUDA, a chunk under autograd that is not
+teacher-forced) a chunk runs one fused SDPA kernel over a per-row copy of the prefix.
 
 It plugs into any Hugging Face model that routes attention through `AttentionInterface`
 (Llama, Qwen2, SmolLM2, ...): a cache layer hands the attention function a `SplitKV`
