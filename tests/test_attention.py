@@ -99,3 +99,20 @@ def test_rows_taken_out_of_an_append_only_cache_come_back_masked_to_the_new_leng
     assert layer.keys.shape == (3, 1, 5, 4)
     torch.testing.assert_close(layer.keys[2, 0, :2], torch.arange(8.0, 16.0).view(2, 4))  # row 1, after the others
     assert layer.keys[2, 0, 2:].abs().sum() == 0  # positions it never had: zeros, masked by the caller
+
+
+def test_attention_dropout_still_applies_to_rows_after_a_shared_prefix():
+    """With dropout in training the prefix path takes the one-kernel copy, which applies it (the flash
+    kernels here are called without dropout)."""
+    from toolcollapse.model import build_model, rest_hidden_states, run_prefix
+
+    model = build_model("tiny", vocab_size=64, max_seq_len=128, pad_token_id=0, eos_token_id=1, seed=0)
+    ids = torch.randint(2, 64, (2, 30))
+    prefix = run_prefix(model.eval(), ids[:1, :20])  # the same prefix keys and values for every call
+    model.train()
+    torch.testing.assert_close(rest_hidden_states(model, prefix, ids[:, 20:]),
+                               rest_hidden_states(model, prefix, ids[:, 20:]))  # no dropout: deterministic
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    rest = ids[:, 20:]
+    assert not torch.equal(rest_hidden_states(model, prefix, rest), rest_hidden_states(model, prefix, rest))
