@@ -109,7 +109,8 @@ def test_the_probe_prefix_run_once_equals_a_plain_forward_of_every_row(world, to
     ids = resolve_token_ids(tokenizer, [TOOL_CALL, IM_END])
     with torch.no_grad():
         logp = torch.log_softmax(logits_at(model, probe.input_ids, probe.select).float(), dim=-1)
-    expected = {**control_token_stats(logp, probe.slot_of, ids), **content_stats(logp, probe.targets, probe.content_of)}
+    truth, greedy = logp.gather(1, probe.targets[:, None]).squeeze(1), logp.argmax(dim=-1) == probe.targets
+    expected = {**control_token_stats(logp, probe.slot_of, ids), **content_stats(truth, greedy, probe.content_of)}
     got = run_probe(model, probe, ids)
     assert got.keys() == expected.keys()
     assert all(got[k] == pytest.approx(expected[k], abs=1e-5) for k in got)

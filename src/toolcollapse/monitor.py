@@ -110,7 +110,8 @@ def slots(ids: Sequence[int], mask: Sequence[int], tool_call_id: int, tool_call_
 
 def control_token_stats(logp: torch.Tensor, slot_of: torch.Tensor, token_ids: Mapping[str, int],
                         prefix: str = "probe") -> dict[str, float]:
-    """Per-token statistics over positions. logp: [M, V] next-token log-probs; slot_of: [M] Slot values.
+    """Per-token statistics over positions. logp: [M, V] next-token log-probs (or any columns of them,
+    `token_ids` naming each token's column); slot_of: [M] Slot values.
 
     A slot with no positions contributes no series (absent, not NaN).
     """
@@ -233,12 +234,11 @@ def _label_tokens(tokenizer: Any, ids: Sequence[int], text: str, spans: Sequence
     return labels
 
 
-def content_stats(logp: torch.Tensor, targets: torch.Tensor, content_of: torch.Tensor,
+def content_stats(truth: torch.Tensor, greedy: torch.Tensor, content_of: torch.Tensor,
                   prefix: str = "probe/content") -> dict[str, float]:
-    """Per Content slot: the mean log-prob of the ground-truth token (`logp`) and how often it is the
-    greedy choice (`acc`). logp: [M, V]; targets, content_of: [M]. A slot with no positions is absent."""
-    truth = logp.gather(1, targets[:, None]).squeeze(1)
-    greedy = logp.argmax(dim=-1) == targets
+    """Per Content slot: the mean log-prob of the ground-truth token and how often it is the greedy
+    choice. truth: [M] its log-prob; greedy: [M] bool, it is the argmax; content_of: [M] Content
+    values. A slot with no positions is absent."""
     out = {}
     for c in Content:
         here = content_of == c
@@ -290,22 +290,35 @@ def build_probe(examples: Sequence[tuple[list[int], list[int]]], pad_id: int, to
 
 @torch.no_grad()
 def run_probe(model: Any, probe: ProbeSet, token_ids: Mapping[str, int], temperature: float = 1.0) -> dict[str, float]:
-    """Control-token and content statistics of the probe set under the sampling distribution (logits / temperature)."""
+    """Control-token and content statistics of the probe set under the sampling distribution (logits / temperature).
+
+    Per chunk only what the statistics read leaves the [rows, V] logits: the control tokens' and the
+    targets' log-probs (logit - logsumexp) and whether the target is the argmax. A full log_softmax of
+    the ~3,000 x V logits, materialized and concatenated, was 15 % of the probe (docs/BENCHMARKS.md)."""
     was_training = model.training
     model.eval()
-    parts = []
     device = device_of(model)
-    p = probe.prefix_len
+    control = torch.tensor(list(token_ids.values()), dtype=torch.long, device=device)
+    cols, truth, greedy = [], [], []
+    p, done = probe.prefix_len, 0
     prefix = run_prefix(model, probe.input_ids[:1, :p].to(device)) if p else None  # once for every chunk
     for start in range(0, len(probe.input_ids), PROBE_CHUNK):  # rows sorted by length: little padding a chunk
         select = probe.select[start:start + PROBE_CHUNK]
         width = int(select.any(dim=0).nonzero().max()) + 1
         ids, select = probe.input_ids[start:start + PROBE_CHUNK, p:width].to(device), select[:, p:width].to(device)
-        parts.append((logits_after(model, prefix, ids, select) if p else logits_at(model, ids, select)).cpu())
-    logp = torch.log_softmax(torch.cat(parts) / temperature, dim=-1)
+        logits = logits_after(model, prefix, ids, select) if p else logits_at(model, ids, select)  # [m, V]
+        if temperature != 1.0:
+            logits = logits / temperature
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+        targets = probe.targets[done:done + len(logits), None].to(device)
+        cols.append((logits[:, control] - lse).cpu())
+        truth.append((logits.gather(1, targets) - lse).squeeze(1).cpu())
+        greedy.append((logits.argmax(dim=-1, keepdim=True) == targets).squeeze(1).cpu())
+        done += len(logits)
     model.train(was_training)
-    return {**control_token_stats(logp, probe.slot_of, token_ids),
-            **content_stats(logp, probe.targets, probe.content_of)}
+    column_of = {name: k for k, name in enumerate(token_ids)}  # the control tokens' columns in `cols`
+    return {**control_token_stats(torch.cat(cols), probe.slot_of, column_of),
+            **content_stats(torch.cat(truth), torch.cat(greedy), probe.content_of)}
 
 
 # ----------------------------------------------------------------------------- statistics of the training forward
