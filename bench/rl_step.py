@@ -15,8 +15,9 @@ Exactness check: 4 tasks x 8 through both engines give identical episodes, greed
 (every sequence draws from its own random stream, so the old engine's batches -- rows that ended
 their turn decoding pads -- sample the same tokens); so both sides train on the same rollouts, as
 the first step's reward, healthy rate and tokens per episode printed for both show. Prints per-step
-seconds (probe, rollout, update) and the ratios. Step 0 also computes the gradient share (every 10
-steps) and runs validation (every 20): it is reported with the others and apart.
+seconds (probe, rollout, update) and the ratios. Step 0 also runs validation (every grpo.eval_every = 20
+steps): it is reported with the others and apart, and the step of a run is step 0 weighted as a run weighs it
+(once in 20 steps; in these short runs, once in `--steps`).
 
     python bench/rl_step.py --checkpoint runs/tiny/sft --steps 4 --rounds 2
 """
@@ -83,12 +84,19 @@ def main() -> None:
     first = {name: [(r[0]["reward_mean"], round(r[0]["healthy_rate"], 4), r[0]["response_tokens"]) for r in runs]
              for name, runs in rows.items()}
     print(f"step 0 (reward, healthy rate, sampled tokens an episode) per run: old {first['old']}, new {first['new']}")
-    for label, pick in (("all steps", lambda r: r), ("without step 0 (gradient share, validation)", lambda r: r[1:])):
+    for label, pick in (("all steps", lambda r: r), ("without step 0 (validation)", lambda r: r[1:])):
         print(f"{label}, mean seconds per step over {args.rounds} runs of {args.steps} steps:")
         for part in PARTS:
             old = statistics.mean(x[part] for run in rows["old"] for x in pick(run))
             new = statistics.mean(x[part] for run in rows["new"] for x in pick(run))
             print(f"  {part:16s} old {old:6.2f}  new {new:6.2f}  ratio {old / new:5.2f}x")
+    # a study run validates every eval_every steps, these runs at step 0 only: weight step 0 as a run does
+    every = load_config("configs/tiny_rl.yaml").grpo.eval_every
+    run_step = {name: (statistics.mean(r[0]["seconds"] for r in runs)
+                       + (every - 1) * statistics.mean(x["seconds"] for r in runs for x in r[1:])) / every
+                for name, runs in rows.items()}
+    print(f"per step of a run that validates every {every} steps: old {run_step['old']:.2f}  "
+          f"new {run_step['new']:.2f}  ratio {run_step['old'] / run_step['new']:.2f}x")
     print(f"({time.time() - t0:.0f}s)")
 
 
