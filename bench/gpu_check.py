@@ -1,9 +1,11 @@
 """GPU check (issue 14): the Hugging Face tier on a GPU, in one short run.
 
-  1. SmolLM2-135M SFT for a few steps on the GPU in bfloat16;
+  1. SmolLM2-135M SFT on the GPU in bfloat16 (the smol recipe's 40 steps);
   2. 5 RL steps from it on the GPU in bfloat16: sampled tokens/s, step time, peak GPU memory;
   3. the first RL step again in float32, on the GPU and on the CPU, same seed and init:
-     rewards must be equal and the losses close (float rounding differs between the devices).
+     rewards must be equal and the losses, the entropy and the probe's miss rate close (float
+     rounding differs between the devices). A step whose groups all had equal rewards has a
+     policy loss of 0 on any device: the script then says the loss comparison is vacuous.
 
     python bench/gpu_check.py                      # on a machine with a GPU and toolcollapse[smol]
     python bench/gpu_check.py --device cpu --tiny  # the script's own dry run on a CPU (minutes)
@@ -28,8 +30,8 @@ from toolcollapse.rl import run_rl
 from toolcollapse.runtime import read_jsonl
 from toolcollapse.sft import run_sft
 
-COMPARED = ("reward_mean", "success", "healthy_rate", "response_tokens", "loss", "pg_loss", "kl_ref", "entropy",
-            "probe/im_end/miss_required")
+COMPARED = ("reward_mean", "success", "healthy_rate", "response_tokens", "frac_groups_informative", "loss", "pg_loss",
+            "kl_ref", "entropy", "probe/im_end/miss_required")
 
 
 def main() -> None:
@@ -37,7 +39,8 @@ def main() -> None:
     ap.add_argument("--out", default="runs/gpu_check")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true", help="small sizes, to try the script on a CPU")
-    ap.add_argument("--sft-steps", type=int, default=20)
+    ap.add_argument("--sft-steps", type=int, default=None,
+                    help="SFT steps (default: configs/smol/sft.yaml's recipe, 40; its model earns rewards in RL)")
     ap.add_argument("--rl-steps", type=int, default=5)
     args = ap.parse_args()
     out = Path(args.out)
@@ -48,7 +51,9 @@ def main() -> None:
         raise SystemExit(f"no GPU visible to torch {torch.__version__} (torch.version.cuda={torch.version.cuda})")
     print(f"torch {torch.__version__}, device {torch.cuda.get_device_name() if gpu else 'cpu'}", flush=True)
 
-    sft_sizes = ["sft.steps=3", "sft.batch_size=2"] if args.tiny else [f"sft.steps={args.sft_steps}"]
+    sft_sizes = ["sft.steps=3", "sft.batch_size=2"] if args.tiny else []
+    if args.sft_steps:
+        sft_sizes.append(f"sft.steps={args.sft_steps}")
     rl_sizes = (["rollout.max_turns=2", "rollout.max_new_tokens=24", "grpo.prompts_per_step=2", "grpo.group_size=2",
                  "grpo.micro_batch_size=2", "monitor.probe_size=4"] if args.tiny else [])
     sft_cfg = load_config("configs/smol/sft.yaml", [f"device={args.device}", "model.dtype=bfloat16", "threads=null",
@@ -62,11 +67,11 @@ def main() -> None:
           f"loss {sft_rows[0]['loss']:.3f} -> {sft_rows[-1]['loss']:.3f}; peak GPU memory {peak_sft:.2f} GiB",
           flush=True)
 
-    def rl(name: str, device: str, dtype: str, steps: int) -> tuple[list[dict], int]:
+    def rl(name: str, device: str, dtype: str, steps: int, extra: tuple[str, ...] = ()) -> tuple[list[dict], int]:
         """The run's metrics rows and its rollouts per step."""
         cfg = load_config("configs/smol/rl.yaml", [f"init={sft_dir}", f"device={device}", f"model.dtype={dtype}",
                                                    f"grpo.steps={steps}", "grpo.checkpoint_every=1000",
-                                                   "monitor.probe_every=1"] + rl_sizes)
+                                                   "monitor.probe_every=1", *extra] + rl_sizes)
         if device == "cpu":
             cfg = replace(cfg, threads=None)
         if gpu:
@@ -83,21 +88,27 @@ def main() -> None:
           f"({rows[0]['seconds']:.2f} s); sampled {tok_s:.0f} tok/s; peak GPU memory {peak:.2f} GiB; "
           f"reward {[round(r['reward_mean'], 3) for r in rows]}", flush=True)
 
-    here = rl("rl_fp32_" + args.device, args.device, "float32", 1)[0][0]
-    cpu = rl("rl_fp32_cpu", "cpu", "float32", 1)[0][0] if gpu else here
+    no_val = ("grpo.eval_every=0",)  # validation is not compared; on the CPU it would take minutes
+    here = rl("rl_fp32_" + args.device, args.device, "float32", 1, no_val)[0][0]
+    cpu = rl("rl_fp32_cpu", "cpu", "float32", 1, no_val)[0][0] if gpu else here
     print("first RL step, float32, same seed and init:")
     print(f"  {'metric':30s} {args.device:>12s} {'cpu':>12s} {'|diff|':>10s}")
     for key in COMPARED:
         if key in here and key in cpu:
             print(f"  {key:30s} {here[key]:12.6g} {cpu[key]:12.6g} {abs(here[key] - cpu[key]):10.3g}")
     same = here["reward_mean"] == cpu["reward_mean"] and here["response_tokens"] == cpu["response_tokens"]
-    close = abs(here["loss"] - cpu["loss"]) <= 1e-3 * max(1.0, abs(cpu["loss"]))
-    print(f"rewards equal: {same}; losses close (1e-3): {close}")
+    near = lambda key, tol: abs(here[key] - cpu[key]) <= tol * max(1.0, abs(cpu[key]))  # noqa: E731
+    close = near("loss", 1e-3) and near("entropy", 1e-3) and near("probe/im_end/miss_required", 1e-3)
+    print(f"rewards equal: {same}; loss, entropy and probe close (1e-3): {close}")
+    vacuous = cpu["frac_groups_informative"] == 0
+    if vacuous:
+        print("the loss comparison is vacuous: no group had a reward spread, so the policy loss is 0 on any device "
+              "(the entropy and the probe still compare the forwards)")
     (out / "summary.json").write_text(json.dumps({
         "device": args.device, "tiny": args.tiny, "sft_seconds": sft_s, "sft_peak_gib": peak_sft,
         "rl_step_seconds": _mean(later, "seconds"), "rl_sampled_tok_s": tok_s, "rl_peak_gib": peak,
         "first_step": {"here": {k: here.get(k) for k in COMPARED}, "cpu": {k: cpu.get(k) for k in COMPARED}},
-        "rewards_equal": same, "losses_close": close}, indent=2))
+        "rewards_equal": same, "close": close, "loss_comparison_vacuous": vacuous}, indent=2))
 
 
 def _mean(rows: list[dict], key: str) -> float:
