@@ -225,3 +225,23 @@ def test_a_sampled_episode_does_not_depend_on_its_batch(engine, policy, tokenize
         tasks, SamplingParams(max_turns=4, max_new_tokens=40, batch_size=12), 3, seed=7)
     assert [e.tokens for e in small] == [e.tokens for e in eps] == [e.tokens for e in old]
     assert len({tuple(e.tokens) for e in eps[:3]}) > 1  # a group's rows do sample apart
+
+
+def test_lean_decode_gives_the_models_own_numbers_bit_for_bit(policy, tokenizer, world, episodes, monkeypatch):
+    """Decoding steps of a Llama model skip Hugging Face's wrappers (`rollout.lean_decode`): the same
+    sampled episodes and the same log-probs to the last bit as through model(...), and the lean path
+    did run (every decoding step of the batch went through it)."""
+    from toolcollapse import rollout
+
+    tasks, eps = episodes
+    calls = []
+    lean = rollout.lean_decode
+    monkeypatch.setattr(rollout, "lean_decode", lambda *args: calls.append(1) or lean(*args))
+    params = SamplingParams(max_turns=4, max_new_tokens=40, batch_size=12)
+    on = RolloutEngine(policy, tokenizer, world).generate(tasks, params, 3, seed=7)
+    lean_steps = len(calls)
+    monkeypatch.setattr(rollout, "LEAN_DECODE", False)
+    off = RolloutEngine(policy, tokenizer, world).generate(tasks, params, 3, seed=7)
+    assert lean_steps > 40 and len(calls) == lean_steps  # every decoding step of `on`, none of `off`
+    assert [e.tokens for e in on] == [e.tokens for e in off] == [e.tokens for e in eps]
+    assert [x for e in on for x in e.logprobs] == [x for e in off for x in e.logprobs]

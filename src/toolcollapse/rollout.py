@@ -37,17 +37,47 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, LlamaForCausalLM, PreTrainedModel
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from toolcollapse.chat import (ENDOFTEXT, CONTROL_TAGS, PieceEncoder, assistant_body, conversation_pieces,
                                generation_prompt, message_pieces, stop_tags, turn_suffix)
-from toolcollapse.attention import cascade, causal_mask
+from toolcollapse.attention import cascade, cascade_attention, causal_mask
 from toolcollapse.envs.base import Environment, EpisodeState
 from toolcollapse.kvcache import add_rows, append_only_cache, cascade_cache, prefix_kv, take_rows
 from toolcollapse.model import device_of, forward, precision
 from toolcollapse.parser import parse_turn_ids
 from toolcollapse.records import CallEnd, Episode, Task, TurnRecord
 from toolcollapse.runtime import progress
+
+
+LEAN_DECODE = True  # decoding steps of Llama models skip Hugging Face's wrappers (`lean_decode`); False: model(...)
+
+
+def lean_decode(model: LlamaForCausalLM, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor,
+                cache: DynamicCache) -> torch.Tensor:
+    """Next-token logits [N, V] for one new token a row (ids, pos [N, 1]; mask [N, 1, 1, L]) of a
+    Llama model with a cascade cache: `LlamaForCausalLM.forward` as its modules and functions run it,
+    in the same order -- so the same numbers, bit for bit (test) -- without the wrappers around them
+    (keyword plumbing, output capture, mask building, output classes): on the tiny tier ~1 ms of a
+    ~6 ms step (docs/BENCHMARKS.md). Other architectures, and PEFT-wrapped models, take model(...)."""
+    decoder = model.model
+    h = decoder.embed_tokens(ids)
+    cos, sin = decoder.rotary_emb(h, position_ids=pos)
+    for i, layer in enumerate(decoder.layers[:model.config.num_hidden_layers]):
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        shape = (*x.shape[:-1], -1, attn.head_dim)
+        q = attn.q_proj(x).view(shape).transpose(1, 2)
+        k = attn.k_proj(x).view(shape).transpose(1, 2)
+        v = attn.v_proj(x).view(shape).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k, v = cache.layers[i].update(k, v)
+        out, _ = cascade_attention(attn, q, k, v, mask, dropout=attn.attention_dropout if attn.training else 0.0,
+                                   scaling=attn.scaling)
+        h = h + attn.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return model.lm_head(decoder.norm(h)[:, -1])
 
 
 @dataclass(frozen=True)
@@ -252,6 +282,8 @@ class RolloutEngine:
         mask = attn
         if self.cascade:  # [N, 1, T, L]: real positions, causal among the new ones
             mask = attn.bool()[:, None, None, :] & causal_mask(ids.shape[1], attn.shape[1], ids.device)
+            if ids.shape[1] == 1 and LEAN_DECODE and isinstance(self.model, LlamaForCausalLM):
+                return lean_decode(self.model, ids, mask, pos, cache)
         return forward(self.model, ids, mask, pos, cache=cache, logits_to_keep=1).logits[:, -1]
 
     def _decode_turn(self, rows: list[_Row], cache, logits, attn, next_pos, params):
