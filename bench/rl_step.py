@@ -16,8 +16,8 @@ Exactness check: 4 tasks x 8 through both engines give identical episodes, greed
 their turn decoding pads -- sample the same tokens); so both sides train on the same rollouts, as
 the first step's reward, healthy rate and tokens per episode printed for both show. Prints per-step
 seconds (probe, rollout, update) and the ratios. Step 0 also runs validation (every grpo.eval_every = 20
-steps): it is reported with the others and apart, and the step of a run is step 0 weighted as a run weighs it
-(once in 20 steps; in these short runs, once in `--steps`).
+steps): it is reported with the others and apart, and the step of a run is a later step plus validation's
+time over 20 steps, and over 4 (the study configs'). These short runs validate at step 0 only (--steps <= 20).
 
     python bench/rl_step.py --checkpoint runs/tiny/sft --steps 4 --rounds 2
 """
@@ -90,13 +90,15 @@ def main() -> None:
             old = statistics.mean(x[part] for run in rows["old"] for x in pick(run))
             new = statistics.mean(x[part] for run in rows["new"] for x in pick(run))
             print(f"  {part:16s} old {old:6.2f}  new {new:6.2f}  ratio {old / new:5.2f}x")
-    # a study run validates every eval_every steps, these runs at step 0 only: weight step 0 as a run does
-    every = load_config("configs/tiny_rl.yaml").grpo.eval_every
-    run_step = {name: (statistics.mean(r[0]["seconds"] for r in runs)
-                       + (every - 1) * statistics.mean(x["seconds"] for r in runs for x in r[1:])) / every
-                for name, runs in rows.items()}
-    print(f"per step of a run that validates every {every} steps: old {run_step['old']:.2f}  "
-          f"new {run_step['new']:.2f}  ratio {run_step['old'] / run_step['new']:.2f}x")
+    # a run validates once in eval_every steps, these runs at step 0 (their one warm-up step) only: a run's step
+    # is a later step without its validation, plus validation's time spread over eval_every steps
+    later = {name: statistics.mean(x["seconds"] - x.get("seconds_val", 0.0) for r in runs for x in r[1:])
+             for name, runs in rows.items()}
+    val = {name: statistics.mean(x.get("seconds_val", 0.0) for r in runs for x in r[:1]) for name, runs in rows.items()}
+    for every in (load_config("configs/tiny_rl.yaml").grpo.eval_every, 4):  # the default; the study configs' 4
+        step = {name: later[name] + val[name] / every for name in rows}
+        print(f"per step of a run that validates every {every} steps: old {step['old']:.2f}  new {step['new']:.2f}  "
+              f"ratio {step['old'] / step['new']:.2f}x")
     print(f"({time.time() - t0:.0f}s)")
 
 

@@ -90,12 +90,13 @@ def test_the_probe_measures_the_sampling_distribution(world, tokenizer, tiny_mod
 
 def test_the_probe_prefix_run_once_equals_a_plain_forward_of_every_row(world, tokenizer, tiny_model):
     """run_probe runs the shared system prompt once and every chunk attends to that one copy: over
-    two chunks its statistics equal those of a plain forward of each whole row, nothing shared.
-    Queries and keys are scaled up: a fresh model's attention is near uniform, blind to positions."""
+    two chunks its statistics -- control tokens and content slots -- equal those of a plain forward of
+    each whole row, nothing shared, and a full log_softmax. Queries and keys are scaled up: a fresh
+    model's attention is near uniform, blind to positions."""
     import copy
 
     from toolcollapse.model import logits_at
-    from toolcollapse.monitor import PROBE_CHUNK, content_stats
+    from toolcollapse.monitor import PROBE_CHUNK, content_labels, content_stats
 
     model = copy.deepcopy(tiny_model)
     with torch.no_grad():
@@ -103,8 +104,11 @@ def test_the_probe_prefix_run_once_equals_a_plain_forward_of_every_row(world, to
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 param.mul_(8.0)
 
-    examples = encode_tasks(PieceEncoder(tokenizer), world.tasks("train")[:PROBE_CHUNK + 3])
-    probe = build_probe(examples, tokenizer.pad_token_id, resolve_token_ids(tokenizer, CONTROL_TAGS))
+    tasks = world.tasks("train")[:PROBE_CHUNK + 3]
+    encoder = PieceEncoder(tokenizer)
+    content = [content_labels(encoder, [*t.prompt, *t.reference]) for t in tasks]
+    probe = build_probe(encode_tasks(encoder, tasks), tokenizer.pad_token_id, resolve_token_ids(tokenizer, CONTROL_TAGS),
+                        content)
     assert probe.prefix_len > 100  # the system prompt
     ids = resolve_token_ids(tokenizer, [TOOL_CALL, IM_END])
     with torch.no_grad():
@@ -113,6 +117,7 @@ def test_the_probe_prefix_run_once_equals_a_plain_forward_of_every_row(world, to
     expected = {**control_token_stats(logp, probe.slot_of, ids), **content_stats(truth, greedy, probe.content_of)}
     got = run_probe(model, probe, ids)
     assert got.keys() == expected.keys()
+    assert {"probe/content/tool_name/logp", "probe/content/arg_copied/acc", "probe/content/answer/logp"} <= got.keys()
     assert all(got[k] == pytest.approx(expected[k], abs=1e-5) for k in got)
 
 

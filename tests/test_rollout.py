@@ -245,3 +245,20 @@ def test_lean_decode_gives_the_models_own_numbers_bit_for_bit(policy, tokenizer,
     assert lean_steps > 40 and len(calls) == lean_steps  # every decoding step of `on`, none of `off`
     assert [e.tokens for e in on] == [e.tokens for e in off] == [e.tokens for e in eps]
     assert [x for e in on for x in e.logprobs] == [x for e in off for x in e.logprobs]
+
+
+def test_lean_decode_leaves_hooked_and_subclassed_models_to_their_own_forward(policy):
+    """A forward hook (a user's, accelerate's device placement) or a subclass's own forward would be
+    skipped by the lean step: such models decode through model(...)."""
+    from transformers import LlamaForCausalLM
+
+    from toolcollapse.rollout import lean_decode_applies
+
+    assert lean_decode_applies(policy)
+    model = copy.deepcopy(policy)
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda module, args, out: out)
+    assert not lean_decode_applies(model)
+    handle.remove()
+    assert lean_decode_applies(model)
+    model.__class__ = type("MyLlama", (LlamaForCausalLM,), {})
+    assert not lean_decode_applies(model)

@@ -60,7 +60,7 @@ def lean_decode(model: LlamaForCausalLM, ids: torch.Tensor, mask: torch.Tensor, 
     Llama model with a cascade cache: `LlamaForCausalLM.forward` as its modules and functions run it,
     in the same order -- so the same numbers, bit for bit (test) -- without the wrappers around them
     (keyword plumbing, output capture, mask building, output classes): on the tiny tier ~1 ms of a
-    ~6 ms step (docs/BENCHMARKS.md). Other architectures, and PEFT-wrapped models, take model(...)."""
+    ~6 ms step (docs/BENCHMARKS.md). Other models take model(...) (`lean_decode_applies`)."""
     decoder = model.model
     h = decoder.embed_tokens(ids)
     cos, sin = decoder.rotary_emb(h, position_ids=pos)
@@ -78,6 +78,14 @@ def lean_decode(model: LlamaForCausalLM, ids: torch.Tensor, mask: torch.Tensor, 
         h = h + attn.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return model.lm_head(decoder.norm(h)[:, -1])
+
+
+def lean_decode_applies(model: Any) -> bool:
+    """`lean_decode` may run `model`'s decoding steps: a LlamaForCausalLM itself (a subclass may override
+    forward; a PEFT model is another class) whose modules carry no forward hooks (a user's, accelerate's
+    device hooks), which the lean step would skip."""
+    return type(model) is LlamaForCausalLM and not any(
+        m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in model.modules())
 
 
 @dataclass(frozen=True)
@@ -163,6 +171,7 @@ class RolloutEngine:
         self.pad_id = ids[ENDOFTEXT]
         self.id_to_tag = {ids[t]: t for t in CONTROL_TAGS}
         self.device = device_of(model)  # ids, masks and the cache live there; sampling draws on the CPU
+        self.lean = False  # decoding steps through `lean_decode` (set by each `generate`)
 
     @torch.no_grad()
     def generate(self, tasks: Sequence[Task], params: SamplingParams, group_size: int = 1,
@@ -171,6 +180,7 @@ class RolloutEngine:
         per_batch = max(1, params.batch_size // group_size)
         was_training = self.model.training
         self.model.eval()
+        self.lean = LEAN_DECODE and lean_decode_applies(self.model)
         bar = progress(len(tasks) * group_size, "rollout") if show_progress else None
         try:
             with cascade(self.model) if self.cascade else contextlib.nullcontext(), precision(self.model):
@@ -282,7 +292,7 @@ class RolloutEngine:
         mask = attn
         if self.cascade:  # [N, 1, T, L]: real positions, causal among the new ones
             mask = attn.bool()[:, None, None, :] & causal_mask(ids.shape[1], attn.shape[1], ids.device)
-            if ids.shape[1] == 1 and LEAN_DECODE and isinstance(self.model, LlamaForCausalLM):
+            if ids.shape[1] == 1 and self.lean:
                 return lean_decode(self.model, ids, mask, pos, cache)
         return forward(self.model, ids, mask, pos, cache=cache, logits_to_keep=1).logits[:, -1]
 
