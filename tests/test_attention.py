@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from toolcollapse.attention import (SplitKV, causal_mask, cascade_attention, flash_split_attention,
+from toolcollapse.attention import (Groups, SplitKV, causal_mask, cascade_attention, flash_split_attention,
                                     prefix_causal_attention, split_attention)
 from toolcollapse.kvcache import AppendOnlyLayer
 
@@ -65,6 +65,42 @@ def test_flash_split_attention_of_a_chunk_equals_attention_over_the_joined_keys(
     torch.testing.assert_close(out.transpose(1, 2), expected, atol=2e-6, rtol=0)
 
 
+@pytest.mark.parametrize("h, hkv, t", [(4, 4, 1), (6, 2, 1), (4, 4, 3), (4, 4, 6), (9, 3, 7)])
+def test_group_parts_equal_attention_over_each_rows_copy(h, hkv, t):
+    """Rows that share their group's part (a task's G rollouts, its prompt's rest) attend to it as to a
+    copy of their own: groups of 3, 1 and 3 rows in mixed order (rows leave and come back), group parts
+    left-padded to one width, a row that sees none of its rest; decoding (t <= 4) and chunk paths, and
+    the one-kernel copy (`cascade_attention` under autograd)."""
+    torch.manual_seed(h * 10 + t)
+    b, p, q_len, s, d = 7, 9, 8, 5, 8
+    of = torch.tensor([0, 0, 2, 2, 2, 0, 1])
+    group_mask = torch.ones(3, q_len, dtype=torch.bool)
+    group_mask[1, :5], group_mask[2, :2] = False, False  # shorter prompts: left padding
+    q, kp, vp = torch.randn(b, h, t, d), torch.randn(1, hkv, p, d), torch.randn(1, hkv, p, d)
+    kg, vg = torch.randn(3, hkv, q_len, d), torch.randn(3, hkv, q_len, d)
+    kr, vr = torch.randn(b, hkv, s, d), torch.randn(b, hkv, s, d)
+    mask = causal_mask(t, s).expand(b, 1, t, s).clone()
+    mask[0] = False
+    rows = torch.cat([group_mask[of][:, None, None, :].expand(b, 1, t, q_len), mask], dim=-1)
+    expected = joined_reference(q, kp, vp, torch.cat([kg[of], kr], dim=2), torch.cat([vg[of], vr], dim=2), rows)
+    groups = Groups.of_rows(of, group_mask)
+    assert groups.slot.tolist() == [0, 1, 0, 1, 2, 2, 0] and groups.size == 3
+    keys, values = SplitKV(kp, kr, group=kg, groups=groups), SplitKV(vp, vr, group=vg, groups=groups)
+
+    class Module:
+        num_key_value_groups, is_causal, training = h // hkv, True, False
+
+    with torch.no_grad():  # split products (t <= 4) or the flash kernels (a chunk)
+        out, _ = cascade_attention(Module(), q, keys, values, mask, scaling=d ** -0.5)
+    torch.testing.assert_close(out.transpose(1, 2), expected, atol=2e-6, rtol=0)
+    torch.testing.assert_close(split_attention(q, keys, values, mask, d ** -0.5), expected, atol=2e-6, rtol=0)
+    if t > 4:
+        torch.testing.assert_close(flash_split_attention(q, keys, values, mask, d ** -0.5), expected, atol=2e-6,
+                                   rtol=0)
+        out, _ = cascade_attention(Module(), q.requires_grad_(), keys, values, mask, scaling=d ** -0.5)
+        torch.testing.assert_close(out.transpose(1, 2), expected, atol=2e-6, rtol=0)  # a copy a row
+
+
 @pytest.mark.parametrize("hkv, dtype, tol", [(4, torch.float32, 2e-6), (2, torch.float32, 2e-6),
                                              (2, torch.bfloat16, 3e-2)])
 def test_prefix_causal_attention_and_its_gradients_equal_attention_over_the_joined_keys(hkv, dtype, tol):
@@ -99,6 +135,27 @@ def test_rows_taken_out_of_an_append_only_cache_come_back_masked_to_the_new_leng
     assert layer.keys.shape == (3, 1, 5, 4)
     torch.testing.assert_close(layer.keys[2, 0, :2], torch.arange(8.0, 16.0).view(2, 4))  # row 1, after the others
     assert layer.keys[2, 0, 2:].abs().sum() == 0  # positions it never had: zeros, masked by the caller
+
+
+def test_a_cascade_cache_shares_each_prompts_rest_among_its_rows():
+    """`share_by_group`: two prompts' rests become group parts of 3 rows each, whose own rests start
+    empty; rows dropped, taken out and added back keep their groups."""
+    from toolcollapse.kvcache import CascadeLayer
+
+    layer = CascadeLayer(torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2))
+    rests = torch.arange(12.0).view(2, 1, 3, 2)
+    layer.update(rests, rests)
+    layer.share_by_group(torch.tensor([[0, 1, 1], [1, 1, 1]]), 3)
+    assert layer.get_seq_length() == 4 + 3 and layer.keys.shape == (6, 1, 0, 2)
+    keys, _ = layer.update(torch.ones(6, 1, 1, 2), torch.ones(6, 1, 1, 2))
+    torch.testing.assert_close(keys.group, rests)
+    assert keys.groups.of.tolist() == [0, 0, 0, 1, 1, 1] and keys.groups.mask.tolist() == [[False, True, True]] + [[True] * 3]
+    taken = layer.take_rows(torch.tensor([1, 3]))
+    layer.batch_select_indices(torch.tensor([0, 2, 4, 5]))
+    layer.add_rows(*taken)
+    assert layer.groups.of.tolist() == [0, 0, 1, 1, 0, 1] and layer.groups.slot.tolist() == [0, 1, 0, 1, 2, 2]
+    with pytest.raises(RuntimeError, match="share group parts"):
+        layer.batch_repeat_interleave(2)
 
 
 def test_attention_dropout_still_applies_to_rows_after_a_shared_prefix():

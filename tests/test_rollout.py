@@ -5,6 +5,7 @@ import torch
 
 from toolcollapse.chat import generation_prompt, message_pieces, turn_suffix
 from toolcollapse.records import Message
+from toolcollapse.kvcache import share_by_group, take_rows
 from toolcollapse.rollout import RolloutEngine, SamplingParams, draw, sample_next
 
 
@@ -141,6 +142,8 @@ class Scripted(torch.nn.Module):
         from toolcollapse.model import forward
 
         out = forward(self.inner, input_ids, attention_mask, position_ids, past_key_values, logits_to_keep)
+        if position_ids is None:  # (the engine runs a shared prefix alone from position 0)
+            position_ids = torch.arange(input_ids.shape[1])[None]
         if input_ids.shape[1] == 1 and self.i < len(self.script) and int(input_ids[0, -1]) == self.script[self.i]:
             self.i += 1
         forced = torch.full_like(out.logits, -1e9)
@@ -186,6 +189,8 @@ class StopsSometimes(torch.nn.Module):
         from toolcollapse.model import forward
 
         out = forward(self.inner, input_ids, attention_mask, position_ids, past_key_values, logits_to_keep)
+        if position_ids is None:  # (the engine runs a shared prefix alone from position 0)
+            position_ids = torch.arange(input_ids.shape[1])[None]
         logits = out.logits.clone()
         logits[:, -1, self.stops] = -1e9
         stop_here = (input_ids[:, -1] + position_ids[:, -1]) % 9 == 0
@@ -214,6 +219,34 @@ def test_shared_prefix_attention_and_row_compaction_change_no_greedy_episode(tin
                                torch.tensor([x for e in before for x in e.logprobs]), atol=1e-4, rtol=0)
     lengths = {t.end - t.start for e in now for t in e.turns}
     assert len(lengths) > 3 and max(len(e.turns) for e in now) > 1  # rows left the batch; turns were appended
+
+
+def test_a_prompts_rows_sharing_one_copy_of_its_rest_change_no_episode(tiny_model, tokenizer, world, monkeypatch):
+    """`share_groups` (on BFCL each task's own system prompt is kept once for its G rows): the same greedy
+    episodes, rows leaving the batch and coming back, and the same sampled ones as a copy per row. The tool
+    world's questions are under the length where it pays (rollout.MIN_GROUP_SHARED), so it is lowered."""
+    from toolcollapse import rollout
+    from toolcollapse.chat import PieceEncoder
+
+    shared, parked = [], []
+    monkeypatch.setattr(rollout, "share_by_group", lambda *a: shared.append(1) or share_by_group(*a))
+    monkeypatch.setattr(rollout, "take_rows", lambda *a: parked.append(1) or take_rows(*a))
+    monkeypatch.setattr(rollout, "MIN_GROUP_SHARED", 1)
+    stops = [tokenizer.convert_tokens_to_ids(t) for t in ("</tool_call>", "<|im_end|>")]
+    turn_start = PieceEncoder(tokenizer).encode(generation_prompt())[0][-1]
+    greedy = StopsSometimes(tiny_model, stops, turn_start, tokenizer.convert_tokens_to_ids("<tool_call>")).eval()
+    tasks = world.tasks("test")[:6]
+    for model, params in ((greedy, SamplingParams(max_turns=3, max_new_tokens=30, greedy=True, batch_size=12)),
+                          (tiny_model, SamplingParams(max_turns=3, max_new_tokens=30, batch_size=12))):
+        off = RolloutEngine(model, tokenizer, world, share_groups=False).generate(tasks, params, 3, seed=5)
+        parked.clear()
+        on = RolloutEngine(model, tokenizer, world).generate(tasks, params, 3, seed=5)
+        if params.greedy:
+            assert parked  # rows whose turn had ended left the batch and came back with their groups
+        assert [e.tokens for e in on] == [e.tokens for e in off]
+        torch.testing.assert_close(torch.tensor([x for e in on for x in e.logprobs]),
+                                   torch.tensor([x for e in off for x in e.logprobs]), atol=1e-4, rtol=0)
+    assert len(shared) == 2 * 2  # both batches (4 tasks x 3, 2 x 3) of both `on` runs shared
 
 
 def test_a_sampled_episode_does_not_depend_on_its_batch(engine, policy, tokenizer, world, episodes):

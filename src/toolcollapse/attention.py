@@ -48,12 +48,45 @@ PREFIX_FLASH = True  # teacher-forced forwards on the CPU: two flash kernels (Fa
 
 
 @dataclass(frozen=True)
+class Groups:
+    """Which rows share which group part: the G rollouts of a task attend to one copy of the keys and
+    values of their prompt's rest (past the batch's prefix) instead of G copies."""
+
+    of: torch.Tensor  # [B] long: each row's group
+    slot: torch.Tensor  # [B] long: the row's rank among its group's rows in the batch
+    size: int  # the most rows a group has in the batch (R)
+    mask: torch.Tensor  # [Gp, Q] bool: the group part's real keys (prompts are left-padded to Q)
+
+    @staticmethod
+    def of_rows(of: torch.Tensor, mask: torch.Tensor) -> Groups:
+        """Groups for rows `of` [B] (any order; a group may have any number of rows, or none)."""
+        if not len(of):
+            return Groups(of, of, 0, mask)
+        one_hot = torch.nn.functional.one_hot(of, len(mask))  # [B, Gp]
+        slot = (one_hot.cumsum(dim=0) - 1).gather(1, of[:, None]).squeeze(1)
+        return Groups(of, slot, int(one_hot.sum(dim=0).max()), mask)
+
+    def to_groups(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows' [B, ...] -> [Gp, R, ...], zeros where a group has fewer rows."""
+        out = x.new_zeros((len(self.mask), self.size, *x.shape[1:]))
+        out[self.of, self.slot] = x
+        return out
+
+    def to_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[Gp, R, ...] -> the rows' [B, ...]."""
+        return x[self.of, self.slot]
+
+
+@dataclass(frozen=True)
 class SplitKV:
-    """Keys (or values) of one layer: the batch's shared prefix and each row's own rest."""
+    """Keys (or values) of one layer: the batch's shared prefix, each row's own rest and, for rollouts of
+    several rows a task, the part each group of rows shares (their prompt's rest), attended between the two."""
 
     prefix: torch.Tensor  # [1, Hkv, P, D]
     rest: torch.Tensor  # [B, Hkv, S, D]
     causal: bool = False  # the rest is the queries' own tokens, attended causally (a teacher-forced forward)
+    group: torch.Tensor | None = None  # [Gp, Hkv, Q, D]
+    groups: Groups | None = None  # which rows attend to which group part
 
 
 def cascade_attention(module: Any, query: torch.Tensor, key: SplitKV | torch.Tensor, value: SplitKV | torch.Tensor,
@@ -84,12 +117,22 @@ def joined_attention(module: Any, query: torch.Tensor, key: SplitKV, value: Spli
     """SDPA over [prefix copied per row ; rest]: for many queries a row the fused kernel beats the
     split products (compute-bound; measured: 0.35-0.67x at 30 queries), and the copy is paid once a chunk."""
     b, t = query.shape[0], query.shape[2]
-    keys = torch.cat([key.prefix.expand(b, -1, -1, -1), key.rest], dim=2)
-    values = torch.cat([value.prefix.expand(b, -1, -1, -1), value.rest], dim=2)
+    groups = key.groups
+    keys = [key.prefix.expand(b, -1, -1, -1), key.rest]
+    values = [value.prefix.expand(b, -1, -1, -1), value.rest]
+    if groups is not None:
+        keys.insert(1, key.group[groups.of])
+        values.insert(1, value.group[groups.of])
+    keys, values = torch.cat(keys, dim=2), torch.cat(values, dim=2)
     mask = None
-    if attention_mask is not None:
-        prefix = attention_mask.new_ones((b, 1, t, key.prefix.shape[2]))
-        mask = torch.cat([prefix, attention_mask.expand(b, 1, t, key.rest.shape[2])], dim=-1)
+    if attention_mask is not None or groups is not None:
+        parts = [torch.ones((b, 1, t, key.prefix.shape[2]), dtype=torch.bool, device=query.device)]
+        if groups is not None:
+            parts.append(groups.mask[groups.of][:, None, None, :].expand(b, 1, t, -1))
+        rest = key.rest.shape[2]
+        parts.append(attention_mask.expand(b, 1, t, rest) if attention_mask is not None else
+                     torch.ones((b, 1, t, rest), dtype=torch.bool, device=query.device))
+        mask = torch.cat(parts, dim=-1)
     return sdpa_attention_forward(module, query, keys, values, mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
@@ -112,12 +155,29 @@ def split_attention(query: torch.Tensor, key: SplitKV, value: SplitKV, mask: tor
     m_p = s_p.amax(dim=-1).view(hkv, b, g * t).transpose(0, 1)  # [B, Hkv, gT]
     m_r = s_r.amax(dim=-1) if s else torch.full_like(m_p, float("-inf"))
     top = torch.maximum(m_p, m_r)  # finite: the prefix is never masked
+    groups = key.groups
+    if groups is not None:  # each group's rows' queries against its one copy, [Gp, Hkv, R gT, Q]
+        q_g = groups.to_groups(q).transpose(1, 2).reshape(len(groups.mask), hkv, -1, d)
+        s_g = torch.matmul(q_g, key.group.float().transpose(2, 3)) * scale
+        s_g = s_g.masked_fill(~groups.mask[:, None, None, :], float("-inf"))
+        top = torch.maximum(top, _rows(groups, s_g.amax(dim=-1), hkv))
     e_p = torch.exp(s_p - top.transpose(0, 1).reshape(hkv, b * g * t, 1))  # [Hkv, BgT, P]
     e_r = torch.exp(s_r - top[..., None])  # [B, Hkv, gT, S]
     num_p = torch.bmm(e_p, value.prefix[0].float()).view(hkv, b, g * t, d).transpose(0, 1)  # [B, Hkv, gT, D]
     num = num_p + torch.matmul(e_r, value.rest.float())
     den = e_p.sum(dim=-1).view(hkv, b, g * t).transpose(0, 1) + e_r.sum(dim=-1)  # [B, Hkv, gT]
+    if groups is not None:
+        top_g = groups.to_groups(top).transpose(1, 2).reshape(len(groups.mask), hkv, -1, 1)
+        e_g = torch.exp(s_g - top_g)
+        num = num + _rows(groups, torch.matmul(e_g, value.group.float()), hkv)
+        den = den + _rows(groups, e_g.sum(dim=-1), hkv)
     return (num / den[..., None]).reshape(b, h, t, d)
+
+
+def _rows(groups: Groups, x: torch.Tensor, heads: int) -> torch.Tensor:
+    """A group-layout result [Gp, heads, R * T, ...] back to the rows': [B, heads, T, ...]."""
+    x = x.view(x.shape[0], heads, groups.size, -1, *x.shape[3:])
+    return groups.to_rows(x.transpose(1, 2))
 
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -177,12 +237,22 @@ def flash_split_attention(query: torch.Tensor, key: SplitKV, value: SplitKV, mas
     kp, vp, k, v = (x.to(dtype) if g == 1 else x.to(dtype).repeat_interleave(g, dim=1)
                     for x in (key.prefix, value.prefix, key.rest, value.rest))
     o_p, l_p = _flash(_rows_as_one(query), kp, vp, 0.0, False, scale=scale)
+    o_p, l_p = o_p.view(h, b, t, d).transpose(0, 1), l_p.view(h, b, t).transpose(0, 1)
     bias = None if mask is None else torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
     o_r, l_r = _flash(query, k, v, 0.0, False, attn_mask=bias, scale=scale)
     if mask is not None:  # a query that sees none of its rest: the kernel returns 0 and log-sum-exp 0
         l_r = l_r.float().masked_fill(~mask.any(dim=-1), float("-inf"))
-    w = torch.sigmoid(l_p.view(h, b, t).transpose(0, 1).float() - l_r.float())[..., None]
-    return torch.lerp(o_r.float(), o_p.view(h, b, t, d).transpose(0, 1).float(), w).to(dtype)
+    if key.groups is None:
+        w = torch.sigmoid(l_p.float() - l_r.float())[..., None]
+        return torch.lerp(o_r.float(), o_p.float(), w).to(dtype)
+    groups = key.groups  # each group's rows' queries against its one copy, as one sequence a group
+    kg, vg = (x.to(dtype) if g == 1 else x.to(dtype).repeat_interleave(g, dim=1) for x in (key.group, value.group))
+    q_g = groups.to_groups(query).transpose(1, 2).reshape(len(groups.mask), h, -1, d)  # [Gp, H, R T, D]
+    bias = torch.zeros(groups.mask.shape, dtype=dtype).masked_fill_(~groups.mask, float("-inf"))[:, None, None]
+    o_g, l_g = _flash(q_g, kg, vg, 0.0, False, attn_mask=bias, scale=scale)
+    parts = torch.stack([l_p.float(), _rows(groups, l_g, h).float(), l_r.float()])  # [3, B, H, T]
+    w = torch.softmax(parts, dim=0)[..., None]  # each part's share of the softmax's mass
+    return (w[0] * o_p.float() + w[1] * _rows(groups, o_g, h).float() + w[2] * o_r.float()).to(dtype)
 
 
 def prefix_causal_attention(query: torch.Tensor, key: SplitKV, value: SplitKV, scale: float) -> torch.Tensor:

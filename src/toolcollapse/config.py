@@ -213,6 +213,10 @@ class RolloutConfig(Checked):
     # The prefix every prompt of a batch shares (the system prompt) kept once and attended to once per
     # decoding step for all rows (cascade attention, attention.py); False: a copy per row (the path before)
     shared_prefix_attention: bool = True
+    # With it, the G rollouts of a prompt also keep one copy of the prompt's rest past that prefix (BFCL: each
+    # task's own 2-5 k-token system prompt) when it averages >= 256 tokens (rollout.MIN_GROUP_SHARED); False:
+    # a copy per row
+    share_group_prompt: bool = True
     # Rows whose turn has ended leave the decoding batch until the turn ends (False: they decode pads in
     # lock-step, 40 % of the row-steps in the study config). The same episodes, greedy or sampled (each
     # sequence draws from its own random stream).

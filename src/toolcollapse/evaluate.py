@@ -174,8 +174,7 @@ def run_eval(checkpoint: str | Path, cfg: RunConfig, out_path: str | Path | None
     tokenizer = load_tokenizer(checkpoint)
     env = make_env(cfg)
     tasks = env.tasks(cfg.eval.split, cfg.eval.n_tasks)
-    engine = RolloutEngine(model, tokenizer, env, cfg.rollout.call_end, cfg.rollout.shared_prefix_attention,
-                           cfg.rollout.compact_finished_rows)
+    engine = RolloutEngine.from_config(model, tokenizer, env, cfg.rollout)
     t0 = time.time()
     episodes = engine.generate(tasks, sampling_params(cfg, cfg.eval.greedy), seed=cfg.seed, show_progress=True)
     by_id = {t.id: t for t in tasks}

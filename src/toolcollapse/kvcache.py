@@ -9,7 +9,9 @@ new entries in place; attention reads a view of the filled part.
 `CascadeLayer` adds a prefix every row shares (the system prompt), held once, [1, Hkv, P, D]:
 the cache hands attention a `SplitKV` (prefix, this row's rest) and
 `attention.cascade_attention` attends to the prefix once for all rows. Batch operations
-(repeat for the group, drop finished rows) touch the rest only. `PrefixLayer` is the
+(repeat for the group, drop finished rows) touch the rest only. With `share_by_group` the G
+rollouts of a prompt also share one copy of the prompt's rest (on BFCL each task has its own
+system prompt of 2-5 k tokens: the batch shares ~200 of them). `PrefixLayer` is the
 same for one training or probe forward: the prefix, and the chunk being run, stored nowhere.
 """
 
@@ -19,7 +21,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from toolcollapse.attention import SplitKV
+from toolcollapse.attention import Groups, SplitKV
 
 
 class AppendOnlyLayer(DynamicLayer):
@@ -69,7 +71,7 @@ class AppendOnlyLayer(DynamicLayer):
     def crop(self, max_length: int) -> None:
         raise NotImplementedError("rollouts never crop their cache")
 
-    def take_rows(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def take_rows(self, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Copies of the filled part of rows `index`: [n, Hkv, length, D] keys and values."""
         return self.keys[index], self.values[index]
 
@@ -91,18 +93,55 @@ def append_only_cache(config) -> DynamicCache:
 
 
 class CascadeLayer(AppendOnlyLayer):
-    """An append-only layer whose rows also attend to one shared prefix."""
+    """An append-only layer whose rows also attend to one shared prefix and, after `share_by_group`, to
+    their group's part."""
 
     def __init__(self, prefix_keys: torch.Tensor, prefix_values: torch.Tensor):
         super().__init__()
         self.prefix_keys, self.prefix_values = prefix_keys, prefix_values  # [1, Hkv, P, D]
+        self.group_keys = self.group_values = None  # [Gp, Hkv, Q, D]
+        self.groups: Groups | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         keys, values = super().update(key_states, value_states)
-        return SplitKV(self.prefix_keys, keys), SplitKV(self.prefix_values, values)
+        return (SplitKV(self.prefix_keys, keys, group=self.group_keys, groups=self.groups),
+                SplitKV(self.prefix_values, values, group=self.group_values, groups=self.groups))
 
     def get_seq_length(self) -> int:
-        return self.prefix_keys.shape[-2] + super().get_seq_length()
+        group = 0 if self.group_keys is None else self.group_keys.shape[-2]
+        return self.prefix_keys.shape[-2] + group + super().get_seq_length()
+
+    def share_by_group(self, mask: torch.Tensor, group_size: int) -> None:
+        """The rows so far (one a prompt: its rest past the prefix, left-padded; `mask` [n, Q] its real
+        positions) become group parts, each attended by `group_size` rows whose own rests start empty."""
+        n = len(mask)
+        self.group_keys, self.group_values = self.keys.contiguous(), self.values.contiguous()
+        self.groups = Groups.of_rows(torch.arange(n, device=mask.device).repeat_interleave(group_size), mask.bool())
+        self._k = self._k.new_empty((n * group_size, *self._k.shape[1:-2], 0, self._k.shape[-1]))
+        self._v = self._v.new_empty((n * group_size, *self._v.shape[1:-2], 0, self._v.shape[-1]))
+        self._length = 0
+        self._refresh()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.groups is not None:
+            raise RuntimeError("rows that share group parts are not repeated (share_by_group repeats them)")
+        super().batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.groups is not None:
+            self.groups = Groups.of_rows(self.groups.of[indices], self.groups.mask)
+
+    def take_rows(self, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rows `index`: keys and values (`AppendOnlyLayer.take_rows`) and, sharing group parts, their groups."""
+        if self.groups is None:
+            return super().take_rows(index)
+        return (*super().take_rows(index), self.groups.of[index])
+
+    def add_rows(self, keys: torch.Tensor, values: torch.Tensor, of: torch.Tensor | None = None) -> None:
+        super().add_rows(keys, values)
+        if self.groups is not None:
+            self.groups = Groups.of_rows(torch.cat([self.groups.of, of]), self.groups.mask)
 
 
 class PrefixLayer(DynamicLayer):
@@ -133,12 +172,19 @@ def cascade_cache(config, prefix: list[tuple[torch.Tensor, torch.Tensor]], store
     return cache
 
 
-def take_rows(cache: DynamicCache, index: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def share_by_group(cache: DynamicCache, mask: torch.Tensor, group_size: int) -> None:
+    """A cascade cache holding one row a prompt (`mask` [n, Q]: its real positions past the prefix) turned
+    into `group_size` rows a prompt that attend to one copy of it (`CascadeLayer.share_by_group`)."""
+    for layer in cache.layers:
+        layer.share_by_group(mask, group_size)
+
+
+def take_rows(cache: DynamicCache, index: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
     """Rows `index` of an append-only (or cascade) cache, every layer, copied out."""
     return [layer.take_rows(index) for layer in cache.layers]
 
 
-def add_rows(cache: DynamicCache, taken: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def add_rows(cache: DynamicCache, taken: list[tuple[torch.Tensor, ...]]) -> None:
     """Rows taken by `take_rows` back in, after the cache's own rows."""
-    for layer, (k, v) in zip(cache.layers, taken):
-        layer.add_rows(k, v)
+    for layer, rows in zip(cache.layers, taken):
+        layer.add_rows(*rows)

@@ -527,8 +527,7 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
     order = task_order(env.tasks(g.split), cfg.seed)
     probe, probe_tokens = probe_for(cfg, env, tokenizer)
     val_tasks = env.tasks(cfg.eval.split, g.eval_n) if g.eval_every else []
-    engine = RolloutEngine(model, tokenizer, env, cfg.rollout.call_end, cfg.rollout.shared_prefix_attention,
-                           cfg.rollout.compact_finished_rows)
+    engine = RolloutEngine.from_config(model, tokenizer, env, cfg.rollout)
     params = sampling_params(cfg, greedy=False)
     bar = progress(g.steps, "rl", initial=start)
     last_val = "-"  # the last validation's success (and its cost), for the progress line

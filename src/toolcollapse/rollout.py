@@ -19,8 +19,10 @@ sequence sees exactly what an unpadded forward over `Episode.tokens` would see.
 With `cascade` (the default) the prefix every prompt of the batch shares -- the system
 prompt -- is run once and its keys and values are kept once: each decoding step attends
 to them for all rows in one product (`attention.py`, `kvcache.CascadeLayer`) instead of
-through a copy per row; the rest of each row is cached per row as before. Exact: the
-same episodes as without it (greedy: identical tokens; tested).
+through a copy per row; the rest of each row is cached per row as before. With `share_groups`
+(the default) the G rows of a prompt also read one copy of the prompt's rest past that prefix
+instead of G (on BFCL each task has its own 2-5 k-token system prompt, of which a batch shares ~200).
+Exact: the same episodes as without either (greedy: identical tokens; tested).
 The sampling log-prob of every sampled token is recorded (under the distribution it
 was sampled from: temperature and top-p applied), and `loss_mask` is 1 only there.
 Same seed -> same rollouts. Every sequence draws its tokens from its own random stream (seeded by
@@ -43,8 +45,10 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from toolcollapse.chat import (ENDOFTEXT, CONTROL_TAGS, PieceEncoder, assistant_body, conversation_pieces,
                                generation_prompt, message_pieces, stop_tags, turn_suffix)
 from toolcollapse.attention import cascade, cascade_attention, causal_mask
+from toolcollapse.config import RolloutConfig
 from toolcollapse.envs.base import Environment, EpisodeState
-from toolcollapse.kvcache import add_rows, append_only_cache, cascade_cache, prefix_kv, take_rows
+from toolcollapse.kvcache import (CascadeLayer, add_rows, append_only_cache, cascade_cache, prefix_kv, share_by_group,
+                                  take_rows)
 from toolcollapse.model import device_of, forward, precision
 from toolcollapse.parser import parse_turn_ids
 from toolcollapse.records import CallEnd, Episode, Task, TurnRecord
@@ -158,13 +162,14 @@ class _Row:
 
 class RolloutEngine:
     def __init__(self, model: PreTrainedModel, tokenizer: Any, env: Environment, call_end: CallEnd = "template",
-                 cascade: bool = True, compact: bool = True):
+                 cascade: bool = True, compact: bool = True, share_groups: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         self.env = env
         self.call_end = call_end  # who writes a call turn's <|im_end|> (chat.py)
         self.cascade = cascade  # one copy of the batch's shared prefix (False: a copy per row, the old path)
         self.compact = compact  # rows whose turn ended leave the decoding batch (False: they decode pads)
+        self.share_groups = share_groups  # with cascade, a prompt's G rows read one copy of the prompt's rest
         self.encoder = PieceEncoder(tokenizer)
         ids = self.encoder.special_ids
         self.stop_ids = frozenset(ids[t] for t in stop_tags(call_end))
@@ -172,6 +177,12 @@ class RolloutEngine:
         self.id_to_tag = {ids[t]: t for t in CONTROL_TAGS}
         self.device = device_of(model)  # ids, masks and the cache live there; sampling draws on the CPU
         self.lean = False  # decoding steps through `lean_decode` (set by each `generate`)
+
+    @classmethod
+    def from_config(cls, model: PreTrainedModel, tokenizer: Any, env: Environment, cfg: RolloutConfig) -> RolloutEngine:
+        """The engine a run's `rollout` section asks for."""
+        return cls(model, tokenizer, env, cfg.call_end, cfg.shared_prefix_attention, cfg.compact_finished_rows,
+                   cfg.share_group_prompt)
 
     @torch.no_grad()
     def generate(self, tasks: Sequence[Task], params: SamplingParams, group_size: int = 1,
@@ -238,9 +249,14 @@ class RolloutEngine:
         if too_long:
             raise ValueError(f"prompts of {too_long[:3]} exceed max_seq_len={params.max_seq_len}; raise it")
         cache, logits, attn, next_pos = self._prefill(prompts)
-        cache.batch_repeat_interleave(group_size)
+        if (self.share_groups and group_size > 1 and isinstance(cache.layers[0], CascadeLayer)
+                and attn.sum(dim=1).float().mean() >= MIN_GROUP_SHARED):
+            share_by_group(cache, attn, group_size)  # the rows of a prompt read one copy of its rest
+            attn = attn[:, :0]
+        else:
+            cache.batch_repeat_interleave(group_size)
         logits = logits.repeat_interleave(group_size, dim=0)  # [N, V]
-        attn = attn.repeat_interleave(group_size, dim=0)  # [N, L]
+        attn = attn.repeat_interleave(group_size, dim=0)  # [N, L]: the rows' own positions past the prefix
         next_pos = next_pos.repeat_interleave(group_size, dim=0)  # [N]
         rows = [_Row(Episode(t.id, list(p), [0] * len(p), [0.0] * len(p), len(p)), self.env.reset(t),
                      rng=row_stream(seed, first_row + k))
@@ -400,6 +416,11 @@ class RolloutEngine:
 
 
 MIN_SHARED = 32  # a shorter common prefix is not worth a cache of its own
+# Prompts' rests (past the batch's prefix) shorter than this on average stay a copy per row: reading a group's
+# copy costs a dozen more small operators a layer, which a short rest does not repay (a decoding step's
+# attention, 1 thread: 0.82x at the tiny tier's ~45-token questions, 1.0x at ~250 tokens, 1.6-2.3x at BFCL's
+# ~2,900-token prompts on SmolLM2; docs/BENCHMARKS.md)
+MIN_GROUP_SHARED = 256
 PARK_MIN = 4  # rows that ended their turn leave the decoding batch only this many at a time, or more
 
 

@@ -1059,8 +1059,7 @@ def engine_rollouts(cfg: RunConfig, tokenizer: Any, split: str = "train", tasks:
         seed = (trainer.args.seed * 1_000_003 + step * 1_009 + rank) % 2**63
         episodes: dict[int, Any] = {}
         with _generation_model(trainer) as model:
-            engine = RolloutEngine(model, tokenizer, env, cfg.rollout.call_end, cfg.rollout.shared_prefix_attention,
-                                   cfg.rollout.compact_finished_rows)
+            engine = RolloutEngine.from_config(model, tokenizer, env, cfg.rollout)
             own = engine.generate(prompts[::group], params, group_size=group, seed=seed)
             episodes.update((i, without_hint(ep, engine.prompt_ids(rows[i])) if hinted[i] else ep)
                             for i, ep in zip(sampled, own))
