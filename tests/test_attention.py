@@ -138,14 +138,13 @@ def test_rows_taken_out_of_an_append_only_cache_come_back_masked_to_the_new_leng
 
 
 def test_a_cascade_cache_shares_each_prompts_rest_among_its_rows():
-    """`share_by_group`: two prompts' rests become group parts of 3 rows each, whose own rests start
-    empty; rows dropped, taken out and added back keep their groups."""
+    """`set_groups`: two prompts' rests become group parts of 3 rows each, whose own rests start empty;
+    rows dropped, taken out and added back keep their groups."""
     from toolcollapse.kvcache import CascadeLayer
 
     layer = CascadeLayer(torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2))
     rests = torch.arange(12.0).view(2, 1, 3, 2)
-    layer.update(rests, rests)
-    layer.share_by_group(torch.tensor([[0, 1, 1], [1, 1, 1]]), 3)
+    layer.set_groups(rests, rests, torch.tensor([[0, 1, 1], [1, 1, 1]]), 3)
     assert layer.get_seq_length() == 4 + 3 and layer.keys.shape == (6, 1, 0, 2)
     keys, _ = layer.update(torch.ones(6, 1, 1, 2), torch.ones(6, 1, 1, 2))
     torch.testing.assert_close(keys.group, rests)

@@ -146,6 +146,55 @@ def test_the_prefix_run_once_for_all_micro_batches_gives_the_same_gradient(tiny_
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
+def test_micro_batches_by_prompt_where_prompts_are_long_give_the_same_update(tiny_model, monkeypatch):
+    """Where rows' prompts run long past the batch's shared prefix (BFCL: each task its own system prompt),
+    `update_plan` cuts micro-batches by prompt, each running its rows' prompt once: the same gradient -- a
+    KL term to a different reference included, so the reference's micro-batches must pair with the
+    update's -- as the batch's prefix once and micro-batches by length."""
+    import copy
+
+    from toolcollapse import rl
+    from toolcollapse.model import shared_prefix_len
+    from toolcollapse.records import PolicyBatch
+
+    torch.manual_seed(0)
+    vocab = tiny_model.config.vocab_size
+    common, rows = torch.randint(5, vocab, (40,)), []
+    for k in range(3):  # 3 prompts: 40 shared tokens, 300 of their own; 3 rollouts each, 8-19 sampled tokens
+        own = torch.randint(5, vocab, (300,))
+        rows += [torch.cat([common, own, torch.randint(5, vocab, (8 + 5 * j + k,))]) for j in range(3)]
+    ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+    sampled = torch.zeros_like(ids, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)], sampled[i, 340:len(r)] = r, True
+    batch = PolicyBatch(ids, sampled, torch.where(sampled, -2.0, 0.0), torch.randn(len(rows)))
+    reference = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    g = GRPOConfig(micro_batch_size=2, kl_coef=1.0, grad_clip=1e9)
+
+    def update():
+        prefix, parts = rl.update_plan(tiny_model, batch, g)
+        model = copy.deepcopy(tiny_model).train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        captured, step = {}, opt.step
+        opt.step = lambda: captured.setdefault("g", [p.grad.clone() for p in model.parameters()]) and step()
+        with torch.no_grad():
+            ref = rl.reference_logprobs(reference, batch, g)
+        grpo_update(model, ref, opt, batch, g)
+        return prefix, parts, captured["g"]
+
+    prefix, parts, by_prompt = update()
+    assert prefix is None and len(parts) == 6  # each prompt's 3 rows in micro-batches of 2 and 1
+    assert all(shared_prefix_len([r.tolist() for r in mb.input_ids]) >= 340 for mb in parts if len(mb) > 1)
+    monkeypatch.setattr(rl, "MIN_GROUP_SHARED", 10 ** 6)
+    prefix, parts, by_length = update()
+    assert prefix is not None and prefix.length == 40
+    for a, b in zip(by_prompt, by_length):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+
+
 def test_nonfinite_guard_skips_the_step(tiny_model, tokenizer, rollouts):
     model = __import__("copy").deepcopy(tiny_model).train()
     batch = build_batch(rollouts, torch.tensor([float("nan"), 1, 0, 0, 0, 0]), tokenizer.pad_token_id)

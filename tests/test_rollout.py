@@ -5,7 +5,7 @@ import torch
 
 from toolcollapse.chat import generation_prompt, message_pieces, turn_suffix
 from toolcollapse.records import Message
-from toolcollapse.kvcache import share_by_group, take_rows
+from toolcollapse.kvcache import take_rows
 from toolcollapse.rollout import RolloutEngine, SamplingParams, draw, sample_next
 
 
@@ -222,14 +222,16 @@ def test_shared_prefix_attention_and_row_compaction_change_no_greedy_episode(tin
 
 
 def test_a_prompts_rows_sharing_one_copy_of_its_rest_change_no_episode(tiny_model, tokenizer, world, monkeypatch):
-    """`share_groups` (on BFCL each task's own system prompt is kept once for its G rows): the same greedy
-    episodes, rows leaving the batch and coming back, and the same sampled ones as a copy per row. The tool
-    world's questions are under the length where it pays (rollout.MIN_GROUP_SHARED), so it is lowered."""
+    """`share_groups` (on BFCL each task's own system prompt is kept once for its G rows, each prompt's rest
+    prefilled alone): the same greedy episodes, rows leaving the batch and coming back, and the same sampled
+    ones as a copy per row. The tool world's questions are under the length where it pays
+    (rollout.MIN_GROUP_SHARED), so it is lowered."""
     from toolcollapse import rollout
     from toolcollapse.chat import PieceEncoder
 
     shared, parked = [], []
-    monkeypatch.setattr(rollout, "share_by_group", lambda *a: shared.append(1) or share_by_group(*a))
+    groups = RolloutEngine._prefill_groups
+    monkeypatch.setattr(RolloutEngine, "_prefill_groups", lambda *a: shared.append(1) or groups(*a))
     monkeypatch.setattr(rollout, "take_rows", lambda *a: parked.append(1) or take_rows(*a))
     monkeypatch.setattr(rollout, "MIN_GROUP_SHARED", 1)
     stops = [tokenizer.convert_tokens_to_ids(t) for t in ("</tool_call>", "<|im_end|>")]

@@ -254,7 +254,10 @@ class GRPOConfig(Checked):
     sort_micro_batches: bool = True
     # The prefix every row shares (the system prompt) run once for all micro-batches of an update, its keys'
     # and values' gradients summed before one backward through it (exact in float32; in bfloat16 the sum is
-    # rounded once more, as accurate against float32). False: once per micro-batch (the path before).
+    # rounded once more, as accurate against float32). False: once per micro-batch (the path before). With it
+    # and sort_micro_batches, where the prompts run >= 256 tokens past that prefix on average (BFCL: each task
+    # its own system prompt), micro-batches are cut by prompt instead, each running its rows' prompt once
+    # (rl.update_plan).
     prefix_once: bool = True
     format_reward: NonNegative = 0.0  # optional shaping: + format_reward * share of healthy turns
     split: Split = "train"

@@ -9,7 +9,7 @@ new entries in place; attention reads a view of the filled part.
 `CascadeLayer` adds a prefix every row shares (the system prompt), held once, [1, Hkv, P, D]:
 the cache hands attention a `SplitKV` (prefix, this row's rest) and
 `attention.cascade_attention` attends to the prefix once for all rows. Batch operations
-(repeat for the group, drop finished rows) touch the rest only. With `share_by_group` the G
+(repeat for the group, drop finished rows) touch the rest only. With `set_groups` the G
 rollouts of a prompt also share one copy of the prompt's rest (on BFCL each task has its own
 system prompt of 2-5 k tokens: the batch shares ~200 of them). `PrefixLayer` is the
 same for one training or probe forward: the prefix, and the chunk being run, stored nowhere.
@@ -93,7 +93,7 @@ def append_only_cache(config) -> DynamicCache:
 
 
 class CascadeLayer(AppendOnlyLayer):
-    """An append-only layer whose rows also attend to one shared prefix and, after `share_by_group`, to
+    """An append-only layer whose rows also attend to one shared prefix and, after `set_groups`, to
     their group's part."""
 
     def __init__(self, prefix_keys: torch.Tensor, prefix_values: torch.Tensor):
@@ -111,20 +111,21 @@ class CascadeLayer(AppendOnlyLayer):
         group = 0 if self.group_keys is None else self.group_keys.shape[-2]
         return self.prefix_keys.shape[-2] + group + super().get_seq_length()
 
-    def share_by_group(self, mask: torch.Tensor, group_size: int) -> None:
-        """The rows so far (one a prompt: its rest past the prefix, left-padded; `mask` [n, Q] its real
-        positions) become group parts, each attended by `group_size` rows whose own rests start empty."""
+    def set_groups(self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, group_size: int) -> None:
+        """Group parts `keys`, `values` [n, Hkv, Q, D] (`mask` [n, Q]: their real positions), each attended by
+        `group_size` rows whose own rests start empty."""
         n = len(mask)
-        self.group_keys, self.group_values = self.keys.contiguous(), self.values.contiguous()
+        self.group_keys, self.group_values = keys, values
         self.groups = Groups.of_rows(torch.arange(n, device=mask.device).repeat_interleave(group_size), mask.bool())
-        self._k = self._k.new_empty((n * group_size, *self._k.shape[1:-2], 0, self._k.shape[-1]))
-        self._v = self._v.new_empty((n * group_size, *self._v.shape[1:-2], 0, self._v.shape[-1]))
-        self._length = 0
+        rows = (n * group_size, keys.shape[1], 0, keys.shape[-1])
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
+        self._k, self._v, self._length = keys.new_empty(rows), values.new_empty(rows), 0
         self._refresh()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.groups is not None:
-            raise RuntimeError("rows that share group parts are not repeated (share_by_group repeats them)")
+            raise RuntimeError("rows that share group parts are not repeated (set_groups makes them)")
         super().batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
@@ -145,13 +146,15 @@ class CascadeLayer(AppendOnlyLayer):
 
 
 class PrefixLayer(DynamicLayer):
-    """One forward over the rows' rests on top of a shared prefix; nothing is stored."""
+    """One forward over the rows' rests on top of a shared prefix; the rests' keys and values stay only
+    as long as the cache (a rollout's prefill of long prompts reads them)."""
 
     def __init__(self, prefix_keys: torch.Tensor, prefix_values: torch.Tensor):
         super().__init__()
         self.prefix_keys, self.prefix_values = prefix_keys, prefix_values  # [1, Hkv, P, D]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.keys, self.values = key_states, value_states
         return (SplitKV(self.prefix_keys, key_states, causal=True),
                 SplitKV(self.prefix_values, value_states, causal=True))
 
@@ -170,13 +173,6 @@ def cascade_cache(config, prefix: list[tuple[torch.Tensor, torch.Tensor]], store
     layer = CascadeLayer if store else PrefixLayer
     cache.layers = [layer(k, v) for k, v in prefix]
     return cache
-
-
-def share_by_group(cache: DynamicCache, mask: torch.Tensor, group_size: int) -> None:
-    """A cascade cache holding one row a prompt (`mask` [n, Q]: its real positions past the prefix) turned
-    into `group_size` rows a prompt that attend to one copy of it (`CascadeLayer.share_by_group`)."""
-    for layer in cache.layers:
-        layer.share_by_group(mask, group_size)
 
 
 def take_rows(cache: DynamicCache, index: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:

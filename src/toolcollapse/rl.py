@@ -72,7 +72,7 @@ from toolcollapse.monitor import (ProbeSet, build_probe, content_labels, control
 from toolcollapse.optim import lr_at, make_optimizer, set_lr
 from toolcollapse.records import CallEnd, Episode, ErrorType, PolicyBatch, Task, TurnState
 from toolcollapse.rewards import rewards_tensor
-from toolcollapse.rollout import RolloutEngine
+from toolcollapse.rollout import MIN_GROUP_SHARED, RolloutEngine
 from toolcollapse.interleave import (FAILURES, PHASES, PhaseRunner, adaptive_handler, collect_failures,
                                      latest_per_task, log_failures, read_failures, sft_phase, trained_tokens)
 from toolcollapse.judge import Judge, load_judge
@@ -139,13 +139,16 @@ class BatchPrefix:
             torch.autograd.backward([out for out, _ in pairs], [leaf.grad for _, leaf in pairs])
 
 
-def batch_prefix(model: Any, batch: PolicyBatch) -> BatchPrefix | None:
+def batch_prefix(model: Any, batch: PolicyBatch, shared: int | None = None) -> BatchPrefix | None:
     """The batch's shared prefix run once (None when the rows share too little): up to the position
-    that predicts the first sampled token, so every trained position lies after it."""
+    that predicts the first sampled token, so every trained position lies after it. `shared`: the rows'
+    `shared_prefix_len`, if known."""
     sampled = batch.target_mask.any(dim=0).nonzero()
     if len(sampled) == 0:
         return None
-    length = min(shared_prefix_len([r.tolist() for r in batch.input_ids]), int(sampled.min()) - 1)
+    if shared is None:
+        shared = shared_prefix_len([r.tolist() for r in batch.input_ids])
+    length = min(shared, int(sampled.min()) - 1)
     if length <= 0:
         return None
     leaf = lambda t: t.detach().requires_grad_() if t.requires_grad else t  # noqa: E731
@@ -211,8 +214,8 @@ def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torc
     n_unlikely = int(batch.unlikely.sum()) if unlikelihood_coef > 0 and batch.unlikely is not None else 0
     sums: Counter[str] = Counter()
     finite = True
-    prefix = batch_prefix(model, batch) if cfg.prefix_once else None
-    for k, mb in enumerate(micro_batches(batch, cfg.micro_batch_size, cfg.sort_micro_batches)):
+    prefix, parts = update_plan(model, batch, cfg)
+    for k, mb in enumerate(parts):
         logp, entropy = policy_logprobs(model, mb, temperature, prefix)
         old = mb.old_logp[mb.target_mask]
         seq_ids = mb.target_mask.nonzero()[:, 0]  # [M] row of each sampled token
@@ -334,20 +337,44 @@ def recompute_old_logprobs(model: Any, batch: PolicyBatch, rows: Sequence[int], 
 @torch.no_grad()
 def reference_logprobs(ref_model: Any, batch: PolicyBatch, g: Any, temperature: float = 1.0) -> list[torch.Tensor]:
     """The reference's log-probs [M] per micro-batch, in `grpo_update`'s micro-batches."""
-    prefix = batch_prefix(ref_model, batch) if g.prefix_once else None
-    return [policy_logprobs(ref_model, mb, temperature, prefix)[0]
-            for mb in micro_batches(batch, g.micro_batch_size, g.sort_micro_batches)]
+    prefix, parts = update_plan(ref_model, batch, g)
+    return [policy_logprobs(ref_model, mb, temperature, prefix)[0] for mb in parts]
 
 
-def micro_batches(batch: PolicyBatch, size: int, by_length: bool) -> list[PolicyBatch]:
+def update_plan(model: Any, batch: PolicyBatch, g: Any) -> tuple[BatchPrefix | None, list[PolicyBatch]]:
+    """How a forward over `batch` runs (the update's, the reference's): the batch's shared prefix run once
+    (`grpo.prefix_once`) and micro-batches of `grpo.micro_batch_size` rows, by length (`sort_micro_batches`);
+    but where the prompts are long past that prefix (BFCL: each task its own 2-5 k-token system prompt, a
+    batch sharing ~200 tokens) micro-batches by prompt, each running its rows' whole prompt once, instead of
+    every row its own copy."""
+    if not g.prefix_once:
+        return None, micro_batches(batch, g.micro_batch_size, g.sort_micro_batches)
+    shared = shared_prefix_len([r.tolist() for r in batch.input_ids])
+    prompt_lens = batch.target_mask.float().argmax(dim=1)  # [N] the first sampled position
+    if g.sort_micro_batches and float((prompt_lens - shared).float().mean()) >= MIN_GROUP_SHARED:
+        return None, micro_batches(batch, g.micro_batch_size, True, prompt_lens.tolist())
+    return batch_prefix(model, batch, shared), micro_batches(batch, g.micro_batch_size, g.sort_micro_batches)
+
+
+def micro_batches(batch: PolicyBatch, size: int, by_length: bool,
+                  prompt_lens: Sequence[int] | None = None) -> list[PolicyBatch]:
     """`batch` in micro-batches of `size` rows. `by_length`: rows sorted by their last sampled
-    position and each micro-batch cut after it (the same sum of gradients, less padding)."""
+    position and each micro-batch cut after it (the same sum of gradients, less padding).
+    `prompt_lens` [N]: the rows of one prompt (its first `prompt_lens` tokens) apart from the others, each
+    prompt's cut by length, so that a micro-batch's rows share their whole prompt."""
     if not by_length:
         return [batch.rows(slice(s, s + size)) for s in range(0, len(batch), size)]
     positions = torch.arange(batch.target_mask.shape[1], device=batch.target_mask.device)
     ends = (batch.target_mask * positions).amax(dim=1)  # [N] last sampled position (0 if none)
     order = torch.sort(ends, stable=True).indices
-    return [batch.rows(order[s:s + size]).trimmed() for s in range(0, len(batch), size)]
+    if prompt_lens is None:
+        return [batch.rows(order[s:s + size]).trimmed() for s in range(0, len(batch), size)]
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    ids = batch.input_ids.tolist()
+    for i in order.tolist():
+        by_prompt.setdefault(tuple(ids[i][:prompt_lens[i]]), []).append(i)
+    return [batch.rows(torch.tensor(rows[s:s + size], device=batch.input_ids.device)).trimmed()
+            for rows in by_prompt.values() for s in range(0, len(rows), size)]
 
 
 # ----------------------------------------------------------------------------- rollout statistics

@@ -47,8 +47,7 @@ from toolcollapse.chat import (ENDOFTEXT, CONTROL_TAGS, PieceEncoder, assistant_
 from toolcollapse.attention import cascade, cascade_attention, causal_mask
 from toolcollapse.config import RolloutConfig
 from toolcollapse.envs.base import Environment, EpisodeState
-from toolcollapse.kvcache import (CascadeLayer, add_rows, append_only_cache, cascade_cache, prefix_kv, share_by_group,
-                                  take_rows)
+from toolcollapse.kvcache import add_rows, append_only_cache, cascade_cache, prefix_kv, take_rows
 from toolcollapse.model import device_of, forward, precision
 from toolcollapse.parser import parse_turn_ids
 from toolcollapse.records import CallEnd, Episode, Task, TurnRecord
@@ -248,16 +247,7 @@ class RolloutEngine:
         too_long = [t.id for t, p in zip(tasks, prompts) if len(p) >= params.max_seq_len]
         if too_long:
             raise ValueError(f"prompts of {too_long[:3]} exceed max_seq_len={params.max_seq_len}; raise it")
-        cache, logits, attn, next_pos = self._prefill(prompts)
-        if (self.share_groups and group_size > 1 and isinstance(cache.layers[0], CascadeLayer)
-                and attn.sum(dim=1).float().mean() >= MIN_GROUP_SHARED):
-            share_by_group(cache, attn, group_size)  # the rows of a prompt read one copy of its rest
-            attn = attn[:, :0]
-        else:
-            cache.batch_repeat_interleave(group_size)
-        logits = logits.repeat_interleave(group_size, dim=0)  # [N, V]
-        attn = attn.repeat_interleave(group_size, dim=0)  # [N, L]: the rows' own positions past the prefix
-        next_pos = next_pos.repeat_interleave(group_size, dim=0)  # [N]
+        cache, logits, attn, next_pos = self._prefill(prompts, group_size)
         rows = [_Row(Episode(t.id, list(p), [0] * len(p), [0.0] * len(p), len(p)), self.env.reset(t),
                      rng=row_stream(seed, first_row + k))
                 for k, (t, p) in enumerate((t, p) for t, p in zip(tasks, prompts) for _ in range(group_size))]
@@ -280,14 +270,18 @@ class RolloutEngine:
             row.episode.success = self.env.success(row.state)
         return [row.episode for row in all_rows]
 
-    def _prefill(self, prompts: list[list[int]]):
-        """Run the prompts: with `cascade`, their shared prefix once into a CascadeLayer cache, then
-        each prompt's rest. (cache, last logits [n, V], rest mask [n, L], next positions [n])."""
+    def _prefill(self, prompts: list[list[int]], group_size: int):
+        """Run the prompts for `group_size` rows each. With `cascade`, their shared prefix once into a
+        CascadeLayer cache, then the prompts' rests: long ones (`share_groups`, >= MIN_GROUP_SHARED tokens
+        on average) each alone, causal, unpadded, kept once for the prompt's rows (`_prefill_groups`); else
+        left-padded together, then repeated for the rows. (cache, last logits [N, V], mask of the rows' own
+        positions past the prefix [N, L], next positions [N]; N = len(prompts) * group_size)."""
         shared = shared_prefix(prompts) if self.cascade else 0
         if shared:
             cache = DynamicCache(config=self.model.config)
             forward(self.model, torch.tensor([prompts[0][:shared]], device=self.device), cache=cache, logits_to_keep=1)
-            cache = cascade_cache(self.model.config, prefix_kv(cache))
+            prefix = prefix_kv(cache)
+            cache = cascade_cache(self.model.config, prefix)
         else:
             cache = append_only_cache(self.model.config)
         rests = [p[shared:] for p in prompts]
@@ -299,8 +293,40 @@ class RolloutEngine:
             attn[i, width - len(p):] = 1
         pos = shared + (attn.cumsum(dim=1) - 1).clamp(min=0)
         ids, attn, pos = ids.to(self.device), attn.to(self.device), pos.to(self.device)
-        logits = self._forward(ids, attn, pos, cache)
-        return cache, logits, attn, shared + attn.sum(dim=1)
+        next_pos = shared + attn.sum(dim=1)
+        if shared and self.share_groups and group_size > 1 and sum(map(len, rests)) / len(rests) >= MIN_GROUP_SHARED:
+            logits = self._prefill_groups(cache, prefix, rests, attn, group_size)
+            attn = attn[:, :0]  # the rows' own positions: none yet
+        else:
+            logits = self._forward(ids, attn, pos, cache)
+            cache.batch_repeat_interleave(group_size)
+        repeat = lambda x: x.repeat_interleave(group_size, dim=0)  # noqa: E731
+        return cache, repeat(logits), repeat(attn), repeat(next_pos)
+
+    def _prefill_groups(self, cache, prefix: list[tuple[torch.Tensor, torch.Tensor]], rests: list[list[int]],
+                        mask: torch.Tensor, group_size: int) -> torch.Tensor:
+        """Each prompt's rest run alone against the prefix -- causal, so no padding and no mask to compute
+        over (left-padded together, BFCL's rests of 2-5 k tokens spent 1.2-1.9x longer; docs/BENCHMARKS.md)
+        -- and kept once, left-padded to `mask`'s width, as the group part `group_size` rows attend to
+        (`CascadeLayer.set_groups`). Returns each prompt's last logits [n, V]."""
+        shared, width = prefix[0][0].shape[-2], mask.shape[1]
+        parts: list[list[torch.Tensor]] = []  # per layer: keys, values [n, Hkv, width, D]
+        logits = []
+        for i, rest in enumerate(rests):
+            alone = cascade_cache(self.model.config, prefix, store=False)
+            n = len(rest)
+            out = forward(self.model, torch.tensor([rest], device=self.device), causal_mask(n, n, self.device),
+                          torch.arange(shared, shared + n, device=self.device)[None], cache=alone, logits_to_keep=1)
+            logits.append(out.logits[:, -1])
+            for k, layer in enumerate(alone.layers):
+                if not i:
+                    parts.append([layer.keys.new_zeros((len(rests), *layer.keys.shape[1:2], width,
+                                                        layer.keys.shape[-1])) for _ in range(2)])
+                parts[k][0][i, :, width - n:] = layer.keys[0]
+                parts[k][1][i, :, width - n:] = layer.values[0]
+        for layer, (keys, values) in zip(cache.layers, parts):
+            layer.set_groups(keys, values, mask, group_size)
+        return torch.cat(logits)
 
     def _forward(self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
         """Logits [N, V] at the last position of `ids` [N, T]; attn [N, L]: which cached positions (past
@@ -418,8 +444,8 @@ class RolloutEngine:
 MIN_SHARED = 32  # a shorter common prefix is not worth a cache of its own
 # Prompts' rests (past the batch's prefix) shorter than this on average stay a copy per row: reading a group's
 # copy costs a dozen more small operators a layer, which a short rest does not repay (a decoding step's
-# attention, 1 thread: 0.82x at the tiny tier's ~45-token questions, 1.0x at ~250 tokens, 1.6-2.3x at BFCL's
-# ~2,900-token prompts on SmolLM2; docs/BENCHMARKS.md)
+# attention, 1 thread: 0.85x at the tiny tier's ~45-token questions, even at ~150-250 tokens, 1.5-2.1x at
+# BFCL's ~2,900-token prompts on SmolLM2; `bench/group_share.py --attention`, docs/BENCHMARKS.md)
 MIN_GROUP_SHARED = 256
 PARK_MIN = 4  # rows that ended their turn leave the decoding batch only this many at a time, or more
 
