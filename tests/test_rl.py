@@ -188,6 +188,8 @@ def test_micro_batches_by_prompt_where_prompts_are_long_give_the_same_update(tin
     prefix, parts, by_prompt = update()
     assert prefix is None and len(parts) == 6  # each prompt's 3 rows in micro-batches of 2 and 1
     assert all(shared_prefix_len([r.tolist() for r in mb.input_ids]) >= 340 for mb in parts if len(mb) > 1)
+    one_each = rl.update_plan(tiny_model, batch.rows(torch.tensor([0, 3, 6])), g)  # a row a prompt: nothing shared
+    assert one_each[0] is not None and len(one_each[1]) == 2
     monkeypatch.setattr(rl, "MIN_GROUP_SHARED", 10 ** 6)
     prefix, parts, by_length = update()
     assert prefix is not None and prefix.length == 40

@@ -5,7 +5,7 @@ import torch
 
 from toolcollapse.chat import generation_prompt, message_pieces, turn_suffix
 from toolcollapse.records import Message
-from toolcollapse.kvcache import take_rows
+from toolcollapse.kvcache import drop_unread_groups, take_rows
 from toolcollapse.rollout import RolloutEngine, SamplingParams, draw, sample_next
 
 
@@ -221,7 +221,8 @@ def test_shared_prefix_attention_and_row_compaction_change_no_greedy_episode(tin
     assert len(lengths) > 3 and max(len(e.turns) for e in now) > 1  # rows left the batch; turns were appended
 
 
-def test_a_prompts_rows_sharing_one_copy_of_its_rest_change_no_episode(tiny_model, tokenizer, world, monkeypatch):
+def test_a_prompts_rows_sharing_one_copy_of_its_rest_change_no_episode(tiny_model, policy, tokenizer, world,
+                                                                       monkeypatch):
     """`share_groups` (on BFCL each task's own system prompt is kept once for its G rows, each prompt's rest
     prefilled alone): the same greedy episodes, rows leaving the batch and coming back, and the same sampled
     ones as a copy per row. The tool world's questions are under the length where it pays
@@ -229,7 +230,15 @@ def test_a_prompts_rows_sharing_one_copy_of_its_rest_change_no_episode(tiny_mode
     from toolcollapse import rollout
     from toolcollapse.chat import PieceEncoder
 
-    shared, parked = [], []
+    shared, parked, groups_left = [], [], []
+
+    def drop(cache):
+        before = len(cache.layers[0].groups.mask) if cache.layers[0].groups is not None else 0
+        drop_unread_groups(cache)
+        if before:
+            groups_left.append((before, len(cache.layers[0].groups.mask)))
+
+    monkeypatch.setattr(rollout, "drop_unread_groups", drop)
     groups = RolloutEngine._prefill_groups
     monkeypatch.setattr(RolloutEngine, "_prefill_groups", lambda *a: shared.append(1) or groups(*a))
     monkeypatch.setattr(rollout, "take_rows", lambda *a: parked.append(1) or take_rows(*a))
@@ -239,7 +248,7 @@ def test_a_prompts_rows_sharing_one_copy_of_its_rest_change_no_episode(tiny_mode
     greedy = StopsSometimes(tiny_model, stops, turn_start, tokenizer.convert_tokens_to_ids("<tool_call>")).eval()
     tasks = world.tasks("test")[:6]
     for model, params in ((greedy, SamplingParams(max_turns=3, max_new_tokens=30, greedy=True, batch_size=12)),
-                          (tiny_model, SamplingParams(max_turns=3, max_new_tokens=30, batch_size=12))):
+                          (policy, SamplingParams(max_turns=4, max_new_tokens=40, batch_size=12))):
         off = RolloutEngine(model, tokenizer, world, share_groups=False).generate(tasks, params, 3, seed=5)
         parked.clear()
         on = RolloutEngine(model, tokenizer, world).generate(tasks, params, 3, seed=5)
@@ -249,6 +258,7 @@ def test_a_prompts_rows_sharing_one_copy_of_its_rest_change_no_episode(tiny_mode
         torch.testing.assert_close(torch.tensor([x for e in on for x in e.logprobs]),
                                    torch.tensor([x for e in off for x in e.logprobs]), atol=1e-4, rtol=0)
     assert len(shared) == 2 * 2  # both batches (4 tasks x 3, 2 x 3) of both `on` runs shared
+    assert any(after < before for before, after in groups_left), groups_left  # a task's rollouts all ended
 
 
 def test_a_sampled_episode_does_not_depend_on_its_batch(engine, policy, tokenizer, world, episodes):

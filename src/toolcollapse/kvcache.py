@@ -133,6 +133,19 @@ class CascadeLayer(AppendOnlyLayer):
         if self.groups is not None:
             self.groups = Groups.of_rows(self.groups.of[indices], self.groups.mask)
 
+    def drop_unread_groups(self) -> None:
+        """Let go of the group parts no row reads any more (every rollout of the task ended): decoding
+        multiplies every group's part, read or not. Not while rows are taken out (their groups would go)."""
+        if self.groups is None:
+            return
+        read = torch.unique(self.groups.of)  # sorted
+        if len(read) == len(self.groups.mask):
+            return
+        new_index = torch.full((len(self.groups.mask),), -1, dtype=torch.long, device=read.device)
+        new_index[read] = torch.arange(len(read), device=read.device)
+        self.group_keys, self.group_values = self.group_keys[read], self.group_values[read]
+        self.groups = Groups.of_rows(new_index[self.groups.of], self.groups.mask[read])
+
     def take_rows(self, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rows `index`: keys and values (`AppendOnlyLayer.take_rows`) and, sharing group parts, their groups."""
         if self.groups is None:
@@ -173,6 +186,13 @@ def cascade_cache(config, prefix: list[tuple[torch.Tensor, torch.Tensor]], store
     layer = CascadeLayer if store else PrefixLayer
     cache.layers = [layer(k, v) for k, v in prefix]
     return cache
+
+
+def drop_unread_groups(cache: DynamicCache) -> None:
+    """`CascadeLayer.drop_unread_groups` on every layer (a no-op for other caches)."""
+    for layer in cache.layers:
+        if isinstance(layer, CascadeLayer):
+            layer.drop_unread_groups()
 
 
 def take_rows(cache: DynamicCache, index: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:

@@ -349,10 +349,13 @@ def update_plan(model: Any, batch: PolicyBatch, g: Any) -> tuple[BatchPrefix | N
     every row its own copy."""
     if not g.prefix_once:
         return None, micro_batches(batch, g.micro_batch_size, g.sort_micro_batches)
-    shared = shared_prefix_len([r.tolist() for r in batch.input_ids])
-    prompt_lens = batch.target_mask.float().argmax(dim=1)  # [N] the first sampled position
-    if g.sort_micro_batches and float((prompt_lens - shared).float().mean()) >= MIN_GROUP_SHARED:
-        return None, micro_batches(batch, g.micro_batch_size, True, prompt_lens.tolist())
+    ids = [r.tolist() for r in batch.input_ids]
+    shared = shared_prefix_len(ids)
+    prompt_lens = batch.target_mask.float().argmax(dim=1).tolist()  # [N] the first sampled position
+    sampled = [i for i, row in enumerate(batch.target_mask.any(dim=1).tolist()) if row]
+    if (g.sort_micro_batches and sampled and sum(prompt_lens[i] - shared for i in sampled) / len(sampled) >= MIN_GROUP_SHARED
+            and len({tuple(ids[i][:prompt_lens[i]]) for i in sampled}) < len(sampled)):  # (some prompt has 2+ rows)
+        return None, micro_batches(batch, g.micro_batch_size, True, prompt_lens)
     return batch_prefix(model, batch, shared), micro_batches(batch, g.micro_batch_size, g.sort_micro_batches)
 
 

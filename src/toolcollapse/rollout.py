@@ -47,7 +47,8 @@ from toolcollapse.chat import (ENDOFTEXT, CONTROL_TAGS, PieceEncoder, assistant_
 from toolcollapse.attention import cascade, cascade_attention, causal_mask
 from toolcollapse.config import RolloutConfig
 from toolcollapse.envs.base import Environment, EpisodeState
-from toolcollapse.kvcache import add_rows, append_only_cache, cascade_cache, prefix_kv, take_rows
+from toolcollapse.kvcache import (add_rows, append_only_cache, cascade_cache, drop_unread_groups, prefix_kv,
+                                  take_rows)
 from toolcollapse.model import device_of, forward, precision
 from toolcollapse.parser import parse_turn_ids
 from toolcollapse.records import CallEnd, Episode, Task, TurnRecord
@@ -262,6 +263,7 @@ class RolloutEngine:
             if len(keep) < len(rows):
                 index = torch.tensor(keep, device=self.device)
                 cache.batch_select_indices(index)
+                drop_unread_groups(cache)  # (no row is parked between turns)
                 attn, next_pos = attn[index], next_pos[index]
                 rows = [rows[i] for i in keep]
                 chunks = [chunks[i] for i in keep]
@@ -286,19 +288,20 @@ class RolloutEngine:
             cache = append_only_cache(self.model.config)
         rests = [p[shared:] for p in prompts]
         width = max(len(p) for p in rests)
-        ids = torch.full((len(rests), width), self.pad_id, dtype=torch.long)
         attn = torch.zeros((len(rests), width), dtype=torch.long)
         for i, p in enumerate(rests):  # left padding: every row's last position is real
-            ids[i, width - len(p):] = torch.tensor(p)
             attn[i, width - len(p):] = 1
-        pos = shared + (attn.cumsum(dim=1) - 1).clamp(min=0)
-        ids, attn, pos = ids.to(self.device), attn.to(self.device), pos.to(self.device)
+        attn = attn.to(self.device)
         next_pos = shared + attn.sum(dim=1)
         if shared and self.share_groups and group_size > 1 and sum(map(len, rests)) / len(rests) >= MIN_GROUP_SHARED:
             logits = self._prefill_groups(cache, prefix, rests, attn, group_size)
             attn = attn[:, :0]  # the rows' own positions: none yet
         else:
-            logits = self._forward(ids, attn, pos, cache)
+            ids = torch.full((len(rests), width), self.pad_id, dtype=torch.long)
+            for i, p in enumerate(rests):
+                ids[i, width - len(p):] = torch.tensor(p)
+            pos = shared + (attn.cumsum(dim=1) - 1).clamp(min=0)
+            logits = self._forward(ids.to(self.device), attn, pos, cache)
             cache.batch_repeat_interleave(group_size)
         repeat = lambda x: x.repeat_interleave(group_size, dim=0)  # noqa: E731
         return cache, repeat(logits), repeat(attn), repeat(next_pos)
