@@ -20,6 +20,11 @@ and checks that both sides wrote the same tokens.
 micro-batches by prompt, each running its rows' prompt once, vs the batch's 213-token prefix once and
 micro-batches by length (each row its own copy of the rest of its prompt); the gradients are compared.
     python bench/group_share.py --device cuda --dtype bfloat16 --tasks 12 --group-size 8   # on a GPU
+
+`--hbg N`: HBG's batch instead (`supervision.group_rollouts`: each task's G - N rows and N hinted copies of
+it, one engine call of group_size 1); the sides are a prompt prefilled per row, as such a batch was before
+(`rollout.SHARE_PROMPTS = False`), vs each distinct prompt once, kept once for its rows.
+    python bench/group_share.py --hbg 2 --tasks 2 --group-size 8
 """
 
 from __future__ import annotations
@@ -33,12 +38,14 @@ import torch
 
 from toolcollapse.attention import Groups, SplitKV, split_attention
 from toolcollapse.chat import PieceEncoder, conversation_pieces
-from toolcollapse.config import load_config
+from toolcollapse import rollout
+from toolcollapse.config import HBGConfig, SupervisionConfig, load_config
 from toolcollapse.envs import make_env
 from toolcollapse.kvcache import CascadeLayer
 from toolcollapse.model import place, resolve_device
 from toolcollapse.rollout import RolloutEngine, SamplingParams
 from toolcollapse.sources import load_pretrained
+from toolcollapse.supervision import group_rollouts
 
 
 def cache_bytes(cache) -> int:
@@ -183,6 +190,7 @@ def main() -> None:
     ap.add_argument("--attention", action="store_true", help="only a decoding step's attention, 1 thread")
     ap.add_argument("--update", action="store_true", help="the update's side: reference pass and one update")
     ap.add_argument("--prompts", action="store_true", help="only the BFCL train prompts' lengths")
+    ap.add_argument("--hbg", type=int, default=0, help="HBG's batch, N hinted rows of each G (see above)")
     args = ap.parse_args()
     if args.attention:
         return attention_alone(threads=1)
@@ -199,24 +207,31 @@ def main() -> None:
         return prompt_lengths(tokenizer, env, 60)
     if args.update:
         return update_side(model, tokenizer, env, tasks, params, args.group_size, args.rounds)
+    hbg = SupervisionConfig(hbg=HBGConfig(enabled=True, rows=args.hbg))
     runs: dict[bool, list] = {False: [], True: []}
     for r in range(args.rounds):
         for share in ((False, True) if r % 2 == 0 else (True, False)):
-            engine = Timed(model, tokenizer, env, share_groups=share)
+            engine = Timed(model, tokenizer, env, share_groups=share or bool(args.hbg))
+            rollout.SHARE_PROMPTS = share or not args.hbg
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-            episodes = engine.generate(tasks, params, group_size=args.group_size, seed=0)
+            if args.hbg:
+                episodes, kinds = group_rollouts(engine, tasks, params, args.group_size, hbg, seed=0)
+            else:
+                episodes = engine.generate(tasks, params, group_size=args.group_size, seed=0)
             runs[share].append((time.perf_counter() - t0, engine, episodes))
             if device.type == "cuda":
                 engine.seconds["peak GB"] = torch.cuda.max_memory_allocated() / 1e9
+    rollout.SHARE_PROMPTS = True
     (_, _, off), (_, _, on) = runs[False][0], runs[True][0]
     same = sum(a.tokens == b.tokens for a, b in zip(off, on))
     identical = same == len(off)
     prompts = [e.prompt_len for e in off[::args.group_size]]
     sampled = sum(sum(e.loss_mask) for e in off)
     where = f"{args.threads} threads" if device.type == "cpu" else torch.cuda.get_device_name(device)
-    print(f"SmolLM2-135M ({args.dtype}), {args.tasks} BFCL train tasks x G {args.group_size}, prompts {prompts} "
+    batch = f"HBG's batch ({args.hbg} hinted rows of each G)" if args.hbg else "one engine call"
+    print(f"SmolLM2-135M ({args.dtype}), {args.tasks} BFCL train tasks x G {args.group_size}, {batch}, prompts {prompts} "
           f"tokens, greedy, {args.max_turns} turns x {args.max_new_tokens} tokens, {where}, "
           f"{args.rounds} rounds; {sampled} sampled tokens a run; identical episodes: {same} of {len(off)}")
     print(f"{'':34}{'a copy per row':>16}{'one a group':>14}{'ratio':>8}")
@@ -236,6 +251,36 @@ def main() -> None:
         row("peak GPU memory, GB", {s: max(e.seconds["peak GB"] for _, e, _ in runs[s]) for s in runs}, "")
     if not identical and args.dtype == "float32":  # (bfloat16 rounds the two paths apart: greedy ties flip)
         raise SystemExit("the two sides wrote different episodes")
+    if args.hbg:
+        recompute_side(model, tokenizer, on, kinds, cfg.grpo, args.rounds)
+
+
+def recompute_side(model, tokenizer, episodes, kinds, g, rounds: int) -> None:
+    """The hinted rows' old log-probs on their hint-free prompt (`rl.recompute_old_logprobs`), planned as
+    the update's (by prompt: a task's hinted rows run its prompt once) vs as before (in row order, each row
+    its whole prompt past the batch's prefix; `bench/supervised_step.py` keeps that function)."""
+    import sys
+    from pathlib import Path
+
+    from toolcollapse import rl
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from supervised_step import old_recompute
+
+    rows = [i for i, k in enumerate(kinds) if k == "hinted"]
+    seconds: dict[str, list[float]] = defaultdict(list)
+    got = {}
+    for r in range(rounds):
+        sides = (("before", old_recompute), ("planned", rl.recompute_old_logprobs))
+        for name, run in (sides if r % 2 == 0 else sides[::-1]):
+            batch = rl.build_batch(episodes, torch.zeros(len(episodes)), tokenizer.pad_token_id, rl.device_of(model))
+            t0 = time.perf_counter()
+            run(model, batch, rows, g)
+            seconds[name].append(time.perf_counter() - t0)
+            got[name] = batch.old_logp[rows][batch.target_mask[rows]]
+    a, b = (statistics.mean(seconds[n]) for n in ("before", "planned"))
+    print(f"hinted rows' old log-probs ({len(rows)} rows, micro-batches of {g.micro_batch_size}): before {a:.2f} s, "
+          f"planned {b:.2f} s, {a / b:.2f}x; largest difference {float((got['before'] - got['planned']).abs().max()):.1e}")
 
 
 if __name__ == "__main__":

@@ -146,7 +146,7 @@ def test_a_cascade_cache_shares_each_prompts_rest_among_its_rows():
 
     layer = CascadeLayer(torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2))
     rests = torch.arange(12.0).view(2, 1, 3, 2)
-    layer.set_groups(rests, rests, torch.tensor([[0, 1, 1], [1, 1, 1]]), 3)
+    layer.set_groups(rests, rests, torch.tensor([[0, 1, 1], [1, 1, 1]]), torch.tensor([0, 0, 0, 1, 1, 1]))
     assert layer.get_seq_length() == 4 + 3 and layer.keys.shape == (6, 1, 0, 2)
     keys, _ = layer.update(torch.ones(6, 1, 1, 2), torch.ones(6, 1, 1, 2))
     torch.testing.assert_close(keys.group, rests)

@@ -197,6 +197,34 @@ def test_micro_batches_by_prompt_where_prompts_are_long_give_the_same_update(tin
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
 
 
+def test_recomputed_old_logprobs_land_on_their_own_rows_whatever_the_plan(tiny_model, tokenizer, world):
+    """`recompute_old_logprobs` (hinted and expert rows) runs its rows as the update would, sorted by length
+    into micro-batches and cut, the prefix once: each recomputed row gets its own log-probs (a forward of
+    it alone) and every other row keeps its old ones."""
+    from toolcollapse.rl import recompute_old_logprobs
+
+    engine = RolloutEngine(tiny_model, tokenizer, world)
+    eps = engine.generate(world.tasks("train")[:3], SamplingParams(max_turns=3, max_new_tokens=16), group_size=2, seed=4)
+    batch = build_batch(eps, torch.zeros(len(eps)), tokenizer.pad_token_id)
+    ends = [int(m.nonzero().max()) for m in batch.target_mask]
+    rows = sorted({e: i for i, e in enumerate(ends)}.values(), key=lambda i: -ends[i])  # longest first: sorting reorders
+    assert len(rows) >= 3 and len(rows) < len(eps)
+    with torch.no_grad():
+        alone = {i: policy_logprobs(tiny_model, batch.rows(torch.tensor([i])).trimmed())[0] for i in rows}
+    for g in (GRPOConfig(micro_batch_size=3), GRPOConfig(micro_batch_size=2, sort_micro_batches=False),
+              GRPOConfig(micro_batch_size=1, prefix_once=False)):
+        b = build_batch(eps, torch.zeros(len(eps)), tokenizer.pad_token_id)
+        b.old_logp[b.target_mask] = -9.0  # stale: the recomputed rows must lose these
+        recompute_old_logprobs(tiny_model, b, rows, g)
+        for i in range(len(eps)):
+            got = b.old_logp[i][b.target_mask[i]]
+            if i in rows:
+                torch.testing.assert_close(got, alone[i], atol=1e-5, rtol=0)
+                assert (b.old_logp[i][~b.target_mask[i]] == 0).all()
+            else:
+                assert (got == -9.0).all()
+
+
 def test_nonfinite_guard_skips_the_step(tiny_model, tokenizer, rollouts):
     model = __import__("copy").deepcopy(tiny_model).train()
     batch = build_batch(rollouts, torch.tensor([float("nan"), 1, 0, 0, 0, 0]), tokenizer.pad_token_id)

@@ -261,6 +261,35 @@ def test_a_prompts_rows_sharing_one_copy_of_its_rest_change_no_episode(tiny_mode
     assert any(after < before for before, after in groups_left), groups_left  # a task's rollouts all ended
 
 
+def test_rows_that_repeat_a_prompt_in_any_order_prefill_it_once(policy, tokenizer, world, monkeypatch):
+    """Rows that repeat a prompt, in any order (HBG's batch: each task's rows and its hinted copies,
+    group_size 1), prefill each distinct prompt once and sample what a prefill per row gives, left-padded
+    together and, with rollout.MIN_GROUP_SHARED lowered, kept once as the group parts its rows read."""
+    from toolcollapse import rollout
+
+    a, b, c = world.tasks("test")[:3]
+    tasks = [a, b, a, c, a, b]
+    params = SamplingParams(max_turns=4, max_new_tokens=40, batch_size=12)
+    prefilled = []  # rows of each generate's first forward (its prefill), or prompts prefilled alone
+    forward, groups = RolloutEngine._forward, RolloutEngine._prefill_groups
+    monkeypatch.setattr(RolloutEngine, "_forward", lambda self, ids, *a: prefilled.append(len(ids)) or forward(self, ids, *a))
+    monkeypatch.setattr(RolloutEngine, "_prefill_groups", lambda self, c, p, rests, *a: prefilled.append(-len(rests))
+                        or groups(self, c, p, rests, *a))
+    for min_shared in (rollout.MIN_GROUP_SHARED, 1):
+        monkeypatch.setattr(rollout, "MIN_GROUP_SHARED", min_shared)
+        runs = []
+        for share in (False, True):
+            monkeypatch.setattr(rollout, "SHARE_PROMPTS", share)
+            prefilled.clear()
+            runs.append(RolloutEngine(policy, tokenizer, world).generate(tasks, params, seed=3))
+            runs[-1] = runs[-1], prefilled[0]
+        (off, rows_off), (on, rows_on) = runs
+        assert rows_off == 6 and rows_on == (3 if min_shared > 1 else -3)
+        assert [e.tokens for e in on] == [e.tokens for e in off] and len({tuple(e.tokens) for e in on}) > 3
+        torch.testing.assert_close(torch.tensor([x for e in on for x in e.logprobs]),
+                                   torch.tensor([x for e in off for x in e.logprobs]), atol=1e-4, rtol=0)
+
+
 def test_a_sampled_episode_does_not_depend_on_its_batch(engine, policy, tokenizer, world, episodes):
     """Each sequence draws from its own stream: the same sampled episodes in batches of 12 and of 5, and
     through the engine without shared-prefix attention and row compaction (whose batches differ)."""

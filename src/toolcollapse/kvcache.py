@@ -9,7 +9,7 @@ new entries in place; attention reads a view of the filled part.
 `CascadeLayer` adds a prefix every row shares (the system prompt), held once, [1, Hkv, P, D]:
 the cache hands attention a `SplitKV` (prefix, this row's rest) and
 `attention.cascade_attention` attends to the prefix once for all rows. Batch operations
-(repeat for the group, drop finished rows) touch the rest only. With `set_groups` the G
+(copy a prompt's rest to its rows, drop finished rows) touch the rest only. With `set_groups` the G
 rollouts of a prompt also share one copy of the prompt's rest (on BFCL each task has its own
 system prompt of 2-5 k tokens: the batch shares ~200 of them). `PrefixLayer` is the
 same for one training or probe forward: the prefix, and the chunk being run, stored nowhere.
@@ -111,13 +111,12 @@ class CascadeLayer(AppendOnlyLayer):
         group = 0 if self.group_keys is None else self.group_keys.shape[-2]
         return self.prefix_keys.shape[-2] + group + super().get_seq_length()
 
-    def set_groups(self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, group_size: int) -> None:
-        """Group parts `keys`, `values` [n, Hkv, Q, D] (`mask` [n, Q]: their real positions), each attended by
-        `group_size` rows whose own rests start empty."""
-        n = len(mask)
+    def set_groups(self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, of: torch.Tensor) -> None:
+        """Group parts `keys`, `values` [n, Hkv, Q, D] (`mask` [n, Q]: their real positions) and the rows that
+        attend to them (`of` [N]: each row's part), whose own rests start empty."""
         self.group_keys, self.group_values = keys, values
-        self.groups = Groups.of_rows(torch.arange(n, device=mask.device).repeat_interleave(group_size), mask.bool())
-        rows = (n * group_size, keys.shape[1], 0, keys.shape[-1])
+        self.groups = Groups.of_rows(of, mask.bool())
+        rows = (len(of), keys.shape[1], 0, keys.shape[-1])
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
         self._k, self._v, self._length = keys.new_empty(rows), values.new_empty(rows), 0

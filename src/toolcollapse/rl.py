@@ -325,13 +325,16 @@ def grad_share(model: Any, batch: PolicyBatch, g: Any, control_ids: dict[str, in
 def recompute_old_logprobs(model: Any, batch: PolicyBatch, rows: Sequence[int], g: Any,
                            temperature: float = 1.0) -> None:
     """Set the old log-probs of `rows` (hinted rows on their hint-free prompt, expert rows) to the
-    current policy's, by a forward pass: their first update's ratio is then 1."""
+    current policy's, by a forward pass planned as the update's (`plan_rows`): their first update's
+    ratio is then 1."""
     index = torch.tensor(list(rows), device=batch.input_ids.device)
-    old = batch.old_logp[index]
-    for start in range(0, len(index), g.micro_batch_size):
-        part = batch.rows(index[start:start + g.micro_batch_size])
-        old[start:start + len(part)][part.target_mask] = policy_logprobs(model, part, temperature)[0]
-    batch.old_logp[index] = old
+    sub = batch.rows(index)
+    prefix, plan = plan_rows(model, sub, g)
+    for part_rows in plan:
+        part = sub.rows(part_rows).trimmed()
+        old = torch.zeros_like(sub.old_logp[part_rows])
+        old[:, :part.target_mask.shape[1]][part.target_mask] = policy_logprobs(model, part, temperature, prefix)[0]
+        batch.old_logp[index[part_rows]] = old
 
 
 @torch.no_grad()
@@ -342,42 +345,48 @@ def reference_logprobs(ref_model: Any, batch: PolicyBatch, g: Any, temperature: 
 
 
 def update_plan(model: Any, batch: PolicyBatch, g: Any) -> tuple[BatchPrefix | None, list[PolicyBatch]]:
-    """How a forward over `batch` runs (the update's, the reference's): the batch's shared prefix run once
-    (`grpo.prefix_once`) and micro-batches of `grpo.micro_batch_size` rows, by length (`sort_micro_batches`);
-    but where the prompts are long past that prefix (BFCL: each task its own 2-5 k-token system prompt, a
-    batch sharing ~200 tokens) micro-batches by prompt, each running its rows' whole prompt once, instead of
-    every row its own copy."""
+    """How a forward over `batch` runs (the update's, the reference's): `plan_rows`' micro-batches, each
+    cut after its last sampled position where they are sorted by length."""
+    prefix, plan = plan_rows(model, batch, g)
+    return prefix, [batch.rows(rows).trimmed() if g.sort_micro_batches else batch.rows(rows) for rows in plan]
+
+
+def plan_rows(model: Any, batch: PolicyBatch, g: Any) -> tuple[BatchPrefix | None, list[torch.Tensor]]:
+    """The batch's shared prefix run once (`grpo.prefix_once`) and the rows [n] of each micro-batch of
+    `grpo.micro_batch_size`, by length (`sort_micro_batches`); but where the prompts are long past that
+    prefix (BFCL: each task its own 2-5 k-token system prompt, a batch sharing ~200 tokens) micro-batches
+    by prompt, each running its rows' whole prompt once, instead of every row its own copy."""
     if not g.prefix_once:
-        return None, micro_batches(batch, g.micro_batch_size, g.sort_micro_batches)
+        return None, micro_batch_rows(batch, g.micro_batch_size, g.sort_micro_batches)
     ids = [r.tolist() for r in batch.input_ids]
     shared = shared_prefix_len(ids)
     prompt_lens = batch.target_mask.float().argmax(dim=1).tolist()  # [N] the first sampled position
     sampled = [i for i, row in enumerate(batch.target_mask.any(dim=1).tolist()) if row]
     if (g.sort_micro_batches and sampled and sum(prompt_lens[i] - shared for i in sampled) / len(sampled) >= MIN_GROUP_SHARED
             and len({tuple(ids[i][:prompt_lens[i]]) for i in sampled}) < len(sampled)):  # (some prompt has 2+ rows)
-        return None, micro_batches(batch, g.micro_batch_size, True, prompt_lens)
-    return batch_prefix(model, batch, shared), micro_batches(batch, g.micro_batch_size, g.sort_micro_batches)
+        return None, micro_batch_rows(batch, g.micro_batch_size, True, prompt_lens)
+    return batch_prefix(model, batch, shared), micro_batch_rows(batch, g.micro_batch_size, g.sort_micro_batches)
 
 
-def micro_batches(batch: PolicyBatch, size: int, by_length: bool,
-                  prompt_lens: Sequence[int] | None = None) -> list[PolicyBatch]:
-    """`batch` in micro-batches of `size` rows. `by_length`: rows sorted by their last sampled
-    position and each micro-batch cut after it (the same sum of gradients, less padding).
+def micro_batch_rows(batch: PolicyBatch, size: int, by_length: bool,
+                     prompt_lens: Sequence[int] | None = None) -> list[torch.Tensor]:
+    """The rows [n] of each micro-batch of `size` rows of `batch`. `by_length`: rows sorted by their last
+    sampled position (cut after it, the micro-batches pad little: the same sum of gradients).
     `prompt_lens` [N]: the rows of one prompt (its first `prompt_lens` tokens) apart from the others, each
-    prompt's cut by length, so that a micro-batch's rows share their whole prompt."""
+    prompt's sorted by length, so that a micro-batch's rows share their whole prompt."""
+    device = batch.target_mask.device
     if not by_length:
-        return [batch.rows(slice(s, s + size)) for s in range(0, len(batch), size)]
-    positions = torch.arange(batch.target_mask.shape[1], device=batch.target_mask.device)
+        return [torch.arange(s, min(s + size, len(batch)), device=device) for s in range(0, len(batch), size)]
+    positions = torch.arange(batch.target_mask.shape[1], device=device)
     ends = (batch.target_mask * positions).amax(dim=1)  # [N] last sampled position (0 if none)
     order = torch.sort(ends, stable=True).indices
     if prompt_lens is None:
-        return [batch.rows(order[s:s + size]).trimmed() for s in range(0, len(batch), size)]
+        return [order[s:s + size] for s in range(0, len(batch), size)]
     by_prompt: dict[tuple[int, ...], list[int]] = {}
     ids = batch.input_ids.tolist()
     for i in order.tolist():
         by_prompt.setdefault(tuple(ids[i][:prompt_lens[i]]), []).append(i)
-    return [batch.rows(torch.tensor(rows[s:s + size], device=batch.input_ids.device)).trimmed()
-            for rows in by_prompt.values() for s in range(0, len(rows), size)]
+    return [torch.tensor(rows[s:s + size], device=device) for rows in by_prompt.values() for s in range(0, len(rows), size)]
 
 
 # ----------------------------------------------------------------------------- rollout statistics

@@ -1,8 +1,9 @@
 """Batched, KV-cached, multi-turn rollouts, token-in/token-out.
 
 For a batch of tasks and G rollouts each:
-  1. encode each distinct prompt once, prefill them together (left-padded), then
-     repeat the KV cache G times -- the shared prompt is computed once per group;
+  1. encode each prompt, prefill each distinct one once (left-padded together), then
+     copy its KV cache to its rows -- a group's G rows, or a task's rows and HBG's hinted
+     copies of it in one batch of any order: every distinct prompt is computed once;
   2. decode one assistant turn for every live sequence in lock-step; a sequence
      stops on </tool_call> (unless `call_end="sampled"`: then the policy goes on to
      write the call turn's <|im_end|>), <|im_end|>, <|endoftext|> or its per-turn
@@ -55,6 +56,7 @@ from toolcollapse.records import CallEnd, Episode, Task, TurnRecord
 from toolcollapse.runtime import progress
 
 
+SHARE_PROMPTS = True  # rows with the same prompt prefill it once (False: each row its own; benchmarks)
 LEAN_DECODE = True  # decoding steps of Llama models skip Hugging Face's wrappers (`lean_decode`); False: model(...)
 
 
@@ -248,7 +250,7 @@ class RolloutEngine:
         too_long = [t.id for t, p in zip(tasks, prompts) if len(p) >= params.max_seq_len]
         if too_long:
             raise ValueError(f"prompts of {too_long[:3]} exceed max_seq_len={params.max_seq_len}; raise it")
-        cache, logits, attn, next_pos = self._prefill(prompts, group_size)
+        cache, logits, attn, next_pos = self._prefill([p for p in prompts for _ in range(group_size)])
         rows = [_Row(Episode(t.id, list(p), [0] * len(p), [0.0] * len(p), len(p)), self.env.reset(t),
                      rng=row_stream(seed, first_row + k))
                 for k, (t, p) in enumerate((t, p) for t, p in zip(tasks, prompts) for _ in range(group_size))]
@@ -272,29 +274,38 @@ class RolloutEngine:
             row.episode.success = self.env.success(row.state)
         return [row.episode for row in all_rows]
 
-    def _prefill(self, prompts: list[list[int]], group_size: int):
-        """Run the prompts for `group_size` rows each. With `cascade`, their shared prefix once into a
-        CascadeLayer cache, then the prompts' rests: long ones (`share_groups`, >= MIN_GROUP_SHARED tokens
-        on average) each alone, causal, unpadded, kept once for the prompt's rows (`_prefill_groups`); else
-        left-padded together, then repeated for the rows. (cache, last logits [N, V], mask of the rows' own
-        positions past the prefix [N, L], next positions [N]; N = len(prompts) * group_size)."""
-        shared = shared_prefix(prompts) if self.cascade else 0
+    def _prefill(self, prompts: list[list[int]]):
+        """Run the rows' prompts, each distinct prompt once (a task's G rollouts, HBG's hinted copies of a
+        task): with `cascade`, their shared prefix once into a CascadeLayer cache, then the distinct
+        prompts' rests: long ones (`share_groups`, >= MIN_GROUP_SHARED tokens on average) each alone,
+        causal, unpadded, kept once for the prompt's rows (`_prefill_groups`); else left-padded together,
+        then copied to the rows. (cache, last logits [N, V], mask of the rows' own positions past the
+        prefix [N, L], next positions [N]; N = len(prompts))."""
+        if SHARE_PROMPTS:
+            first: dict[tuple[int, ...], int] = {}  # each distinct prompt's index among them, in order
+            of = [first.setdefault(tuple(p), len(first)) for p in prompts]
+            distinct = [list(p) for p in first]
+        else:
+            of, distinct = list(range(len(prompts))), prompts
+        of = torch.tensor(of, device=self.device)  # [N] each row's prompt among the distinct ones
+        shared = shared_prefix(distinct) if self.cascade else 0
         if shared:
             cache = DynamicCache(config=self.model.config)
-            forward(self.model, torch.tensor([prompts[0][:shared]], device=self.device), cache=cache, logits_to_keep=1)
+            forward(self.model, torch.tensor([distinct[0][:shared]], device=self.device), cache=cache, logits_to_keep=1)
             prefix = prefix_kv(cache)
             cache = cascade_cache(self.model.config, prefix)
         else:
             cache = append_only_cache(self.model.config)
-        rests = [p[shared:] for p in prompts]
+        rests = [p[shared:] for p in distinct]
         width = max(len(p) for p in rests)
         attn = torch.zeros((len(rests), width), dtype=torch.long)
         for i, p in enumerate(rests):  # left padding: every row's last position is real
             attn[i, width - len(p):] = 1
         attn = attn.to(self.device)
         next_pos = shared + attn.sum(dim=1)
-        if shared and self.share_groups and group_size > 1 and sum(map(len, rests)) / len(rests) >= MIN_GROUP_SHARED:
-            logits = self._prefill_groups(cache, prefix, rests, attn, group_size)
+        if (shared and self.share_groups and len(distinct) < len(prompts)
+                and sum(map(len, rests)) / len(rests) >= MIN_GROUP_SHARED):
+            logits = self._prefill_groups(cache, prefix, rests, attn, of)
             attn = attn[:, :0]  # the rows' own positions: none yet
         else:
             ids = torch.full((len(rests), width), self.pad_id, dtype=torch.long)
@@ -302,16 +313,17 @@ class RolloutEngine:
                 ids[i, width - len(p):] = torch.tensor(p)
             pos = shared + (attn.cumsum(dim=1) - 1).clamp(min=0)
             logits = self._forward(ids.to(self.device), attn, pos, cache)
-            cache.batch_repeat_interleave(group_size)
-        repeat = lambda x: x.repeat_interleave(group_size, dim=0)  # noqa: E731
-        return cache, repeat(logits), repeat(attn), repeat(next_pos)
+            if len(distinct) < len(prompts):
+                cache.batch_select_indices(of)
+        return cache, logits[of], attn[of], next_pos[of]
 
     def _prefill_groups(self, cache, prefix: list[tuple[torch.Tensor, torch.Tensor]], rests: list[list[int]],
-                        mask: torch.Tensor, group_size: int) -> torch.Tensor:
+                        mask: torch.Tensor, of: torch.Tensor) -> torch.Tensor:
         """Each prompt's rest run alone against the prefix -- causal, so no padding and no mask to compute
         over (BFCL prompts on SmolLM2: the prefill 1.1-2.6x faster than left-padded together and repeated;
-        docs/BENCHMARKS.md) -- and kept once, left-padded to `mask`'s width, as the group part `group_size`
-        rows attend to (`CascadeLayer.set_groups`). Returns each prompt's last logits [n, V]."""
+        docs/BENCHMARKS.md) -- and kept once, left-padded to `mask`'s width, as the group part that its rows
+        (`of` [N]: each row's prompt) attend to (`CascadeLayer.set_groups`). Returns each prompt's last
+        logits [n, V]."""
         shared, width = prefix[0][0].shape[-2], mask.shape[1]
         parts = None  # per layer: keys, values [n, Hkv, width, D]
         logits = []
@@ -328,7 +340,7 @@ class RolloutEngine:
             for (keys, values), layer in zip(parts, alone.layers):
                 keys[i, :, width - n:], values[i, :, width - n:] = layer.keys[0], layer.values[0]
         for layer, (keys, values) in zip(cache.layers, parts):
-            layer.set_groups(keys, values, mask, group_size)
+            layer.set_groups(keys, values, mask, of)
         return torch.cat(logits)
 
     def _forward(self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
