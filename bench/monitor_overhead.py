@@ -3,7 +3,7 @@
 Three configurations of the same run (same checkpoint, seed, tasks):
   off:     no probe, no gradient share, no control-token list (so no per-token statistics
            and no alarm rules on them), no validation;
-  monitor: the monitor's defaults -- probe set of 32 oracle conversations every 2 steps (control
+  monitor: the monitor's defaults -- probe set of 32 oracle conversations every 3 steps (control
            tokens and content slots from one forward), control-token statistics of the update's
            forward every step, alarm rules (the gradient share is off by default) -- without validation;
   on:      the defaults: the monitor and validation (32 test tasks, greedy, every grpo.eval_every steps).
@@ -25,10 +25,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from toolcollapse.config import load_config
+from toolcollapse.config import GRPOConfig, MonitorConfig, load_config
 from toolcollapse.rl import run_rl
 from toolcollapse.runtime import read_jsonl
 
+# The library's defaults, not those a checkpoint's saved config pins (runs/tiny/sft's says probe_every: 2,
+# the default when it was trained)
+DEFAULTS = [f"monitor.probe_every={MonitorConfig().probe_every}", f"monitor.probe_size={MonitorConfig().probe_size}",
+            f"grpo.eval_every={GRPOConfig().eval_every}", f"grpo.eval_n={GRPOConfig().eval_n}"]
 OFF = ["monitor.probe_every=0", "monitor.grad_share_every=0", "monitor.control_tokens=[]", "grpo.eval_every=0"]
 SIDES = {"off": OFF, "monitor": ["grpo.eval_every=0"], "on": []}
 
@@ -37,7 +41,7 @@ def one_run(checkpoint: str, steps: int, threads: int,
             extra: list[str]) -> tuple[float, float, list[tuple], list[dict]]:
     """(seconds per step inside the loop, wall seconds of the whole run_rl call, (reward, healthy) per step, rows)"""
     overrides = [f"init={checkpoint}", f"threads={threads}", f"grpo.steps={steps}", "grpo.prompts_per_step=4",
-                 "grpo.checkpoint_every=1000", "grpo.lr=1.0e-5", *extra]
+                 "grpo.checkpoint_every=1000", "grpo.lr=1.0e-5", *DEFAULTS, *extra]
     cfg = load_config(Path(checkpoint) / "toolcollapse.yaml", overrides)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.time()

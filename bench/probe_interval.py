@@ -15,10 +15,10 @@ and their lead to its halving; and the false alarms on the runs without the even
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
-from toolcollapse.alarms import content_rules, control_rules
+from toolcollapse import alarms
+from toolcollapse.alarms import Cusum, Watcher, content_rules, control_rules, run_rules
 from toolcollapse.diagnose import format_lead_table, lead_table
 from toolcollapse.runtime import read_jsonl
 from toolcollapse.sweep import load_sweep
@@ -26,15 +26,45 @@ from toolcollapse.sweep import load_sweep
 
 def probed_every(rows: list[dict], k: int) -> list[dict]:
     """The rows as a run probing every k steps would have logged them (the probe's series only)."""
-    return [r if r["step"] % k == 0 else {key: v for key, v in r.items() if not key.startswith("probe/")}
-            for r in rows]
+    return [r if r["step"] % k == 0 else unprobed(r) for r in rows]
+
+
+def unprobed(row: dict) -> dict:
+    return {key: v for key, v in row.items() if not key.startswith("probe/")}
+
+
+def probed_adaptively(rows: list[dict], rules: list, dense: int, quiet: int, escalate: float) -> list[dict]:
+    """The rows as a run would have logged them that probed `dense` steps after a probe while some alarm
+    rule's detector stood at `escalate` of its threshold or more (`Watcher.pressure`), else `quiet` steps
+    after (a schedule measured here and not built into `rl`: docs/LOG.md, 2026-12-05 (6))."""
+    watcher, out, due = Watcher(rules), [], 0
+    for r in rows:
+        row = r if r["step"] >= due else unprobed(r)
+        watcher.update(int(r["step"]), row)
+        if row is r:
+            due = r["step"] + (dense if watcher.pressure >= escalate else quiet)
+        out.append(row)
+    return out
+
+
+class CusumPerObservation(Cusum):
+    """CUSUM as it was before 2026-12-05 (6): every observation counts once, however many steps since the last."""
+
+    def update(self, x: float, steps: int = 1) -> bool:
+        return super().update(x, 1)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("sweep")
-    ap.add_argument("--every", type=int, nargs="+", default=[1, 2, 3, 4])
+    ap.add_argument("--every", type=int, nargs="*", default=[1, 2, 3, 4])
+    ap.add_argument("--adaptive", nargs="*", default=[], metavar="DENSE:QUIET:ESCALATE",
+                    help="probe schedules that follow the alarms' detectors (probed_adaptively), e.g. 2:4:0.5")
+    ap.add_argument("--cusum-per-observation", action="store_true",
+                    help="the content rules' CUSUM as before: an observation counts once, not once per step")
     args = ap.parse_args()
+    if args.cusum_per_observation:
+        alarms.DETECTORS["cusum"] = CusumPerObservation
     _, specs = load_sweep(args.sweep)
     runs = []
     for spec in specs:
@@ -45,12 +75,21 @@ def main() -> None:
             raise SystemExit(f"{spec.run_dir}: probed every {spec.cfg.monitor.probe_every} steps, not every step")
         runs.append((str(spec.run_dir), rows))
     m = specs[0].cfg.monitor
-    for k in args.every:
-        mk = dataclasses.replace(m, probe_every=k)
-        panel = {"control tokens + content (the defaults)": control_rules(mk) + content_rules(mk),
-                 "control tokens": control_rules(mk), "content": content_rules(mk)}
-        sub = [(name, probed_every(rows, k)) for name, rows in runs]
-        print(f"\n## probe every {k} step(s)\n")
+    schedules = {f"every {k} step(s)": (lambda rows, k=k: probed_every(rows, k)) for k in args.every}
+    for text in args.adaptive:
+        dense, quiet, escalate = text.split(":")
+        schedules[f"every {dense} at {escalate} of a threshold, else every {quiet}"] = (
+            lambda rows, d=int(dense), q=int(quiet), e=float(escalate): probed_adaptively(rows, run_rules(m), d, q, e))
+    panel = {"control tokens + content (the defaults)": control_rules(m) + content_rules(m),
+             "control tokens": control_rules(m), "content": content_rules(m)}
+    for label, schedule in schedules.items():
+        sub = [(name, schedule(rows)) for name, rows in runs]
+        print(f"\n## probe {label}\n")
+        share = {}
+        for name, rows in sub:  # probes a step, by setting (the run directory's parent)
+            share.setdefault(Path(name).parent.name, []).append(sum(any(k.startswith("probe/") for k in r)
+                                                                    for r in rows) / len(rows))
+        print("probes a step: " + ", ".join(f"{s} {sum(v) / len(v):.2f}" for s, v in share.items()) + "\n")
         print(format_lead_table(lead_table(sub, panel, m.collapse_hold)))
         print()
         print(format_lead_table(lead_table(sub, panel, m.collapse_hold, event="skill"), "30 % skill loss",

@@ -290,6 +290,46 @@ def test_rows_that_repeat_a_prompt_in_any_order_prefill_it_once(policy, tokenize
                                    torch.tensor([x for e in off for x in e.logprobs]), atol=1e-4, rtol=0)
 
 
+def test_a_prefix_cache_runs_the_system_prompt_once_for_a_steps_rollouts_probe_and_validation(
+        policy, tokenizer, world, monkeypatch):
+    """`rl`'s step: the rollouts, the probe and validation start with the same system prompt; with the
+    engine's PrefixCache it is run once until cleared, and every reader gets the numbers it would have run."""
+    from toolcollapse import model as model_module
+    from toolcollapse.chat import CONTROL_TAGS, PieceEncoder
+    from toolcollapse.model import PrefixCache
+    from toolcollapse.monitor import build_probe, content_labels, resolve_token_ids, run_probe
+    from toolcollapse.sft import encode_tasks
+
+    encoder = PieceEncoder(tokenizer)
+    probe_tasks = world.tasks("train")[:4]
+    probe = build_probe(encode_tasks(encoder, probe_tasks), tokenizer.pad_token_id,
+                        resolve_token_ids(tokenizer, CONTROL_TAGS),
+                        [content_labels(encoder, [*t.prompt, *t.reference]) for t in probe_tasks])
+    ids = resolve_token_ids(tokenizer, CONTROL_TAGS)
+    tasks = world.tasks("test")[:3]
+    sampled, greedy = (SamplingParams(max_turns=3, max_new_tokens=24, batch_size=12, greedy=g) for g in (False, True))
+
+    def step(engine, prefixes):
+        return (engine.generate(tasks, sampled, group_size=2, seed=5), run_probe(policy, probe, ids, 1.0, prefixes),
+                engine.generate(tasks, greedy, seed=5))
+
+    plain = step(RolloutEngine(policy, tokenizer, world), None)
+    runs = []
+    real, alone = model_module.prompt_prefix, model_module._run_prefix  # the probe runs its own with the latter
+    monkeypatch.setattr(model_module, "prompt_prefix", lambda *a: runs.append(1) or real(*a))
+    monkeypatch.setattr(model_module, "_run_prefix", lambda *a: runs.append(2) or alone(*a))
+    engine = RolloutEngine(policy, tokenizer, world)
+    engine.prefixes = PrefixCache(policy)
+    shared = step(engine, engine.prefixes)
+    assert runs == [1]  # the first rollout ran it; the probe and validation read it
+    for got, want in ((shared[0], plain[0]), (shared[2], plain[2])):
+        assert [e.tokens for e in got] == [e.tokens for e in want] and [e.logprobs for e in got] == [e.logprobs for e in want]
+    assert shared[1] == plain[1]
+    engine.prefixes.clear()  # the weights moved
+    engine.generate(tasks[:1], greedy)
+    assert runs == [1, 1]
+
+
 def test_a_sampled_episode_does_not_depend_on_its_batch(engine, policy, tokenizer, world, episodes):
     """Each sequence draws from its own stream: the same sampled episodes in batches of 12 and of 5, and
     through the engine without shared-prefix attention and row compaction (whose batches differ)."""

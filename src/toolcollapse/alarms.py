@@ -51,15 +51,19 @@ class RobustZ:
     direction: int = 1
     _past: deque = field(default_factory=deque, init=False, repr=False)
     _seen: int = field(default=0, init=False, repr=False)
+    level: float = field(default=0.0, init=False, repr=False)  # the last z, watched way, / threshold (1: fires)
 
-    def update(self, x: float) -> bool:
+    def update(self, x: float, steps: int = 1) -> bool:
+        """Observe x, `steps` after the last observation (a level test: the gap does not matter); fires?"""
         past = self._past
         fire = False
         if self._seen >= self.warmup:
             values = torch.tensor(list(past), dtype=torch.float64)
             med = values.median().item()
             scale = max(1.4826 * (values - med).abs().median().item(), self.min_scale)
-            fire = _beyond((x - med) / scale, self.threshold, self.direction)
+            z = (x - med) / scale
+            fire = _beyond(z, self.threshold, self.direction)
+            self.level = max(0.0, z if self.direction > 0 else -z if self.direction < 0 else abs(z)) / self.threshold
         past.append(x)
         self._seen += 1
         if len(past) > self.window:
@@ -75,7 +79,9 @@ class RobustZ:
 @dataclass
 class Cusum:
     """One-sided CUSUM (Page 1954) on deviations from the warm-up mean in warm-up standard
-    deviations: S_t = max(0, S_{t-1} + z_t - drift), firing when S_t > threshold."""
+    deviations, summed in steps: S = max(0, S + k (z - drift)) for an observation k steps after the
+    last, firing when S > threshold. A series observed every k steps (the probe's) then sums a steady
+    drift as one observed every step would, not k times more slowly (docs/LOG.md, 2026-12-05 (6))."""
 
     threshold: float = 10.0
     drift: float = 1.5
@@ -85,15 +91,18 @@ class Cusum:
     _base: list = field(default_factory=list, init=False, repr=False)
     _up: float = field(default=0.0, init=False, repr=False)
     _down: float = field(default=0.0, init=False, repr=False)
+    level: float = field(default=0.0, init=False, repr=False)  # the watched sum / threshold (above 1: fires)
 
-    def update(self, x: float) -> bool:
+    def update(self, x: float, steps: int = 1) -> bool:
+        """Observe x, `steps` after the last observation; fires?"""
         if len(self._base) < self.warmup:
             self._base.append(x)
             return False
         base = torch.tensor(self._base, dtype=torch.float64)
         z = (x - base.mean().item()) / max(base.std(unbiased=False).item(), self.min_scale)
-        self._up = max(0.0, self._up + z - self.drift)
-        self._down = max(0.0, self._down - z - self.drift)
+        self._up = max(0.0, self._up + steps * (z - self.drift))
+        self._down = max(0.0, self._down + steps * (-z - self.drift))
+        self.level = max(self._up if self.direction >= 0 else 0.0, self._down if self.direction <= 0 else 0.0) / self.threshold
         return (self.direction >= 0 and self._up > self.threshold) or (
             self.direction <= 0 and self._down > self.threshold)
 
@@ -177,6 +186,8 @@ class Watcher:
     def __init__(self, rules: Iterable[Rule]):
         self.rules = list(rules)
         self._detectors = [r.make() for r in self.rules]
+        self._levels = [0.0] * len(self.rules)
+        self._last: list[int | None] = [None] * len(self.rules)  # each rule's last observed step
         self.alarms: list[Alarm] = []
         self._fired: set[int] = set()
 
@@ -186,16 +197,28 @@ class Watcher:
             x = metrics.get(rule.series)
             if not isinstance(x, (int, float)) or not math.isfinite(x):
                 continue
-            if det.update(rule.observe(float(x))) and rule.may_fire(float(x)) and i not in self._fired:
+            steps = 1 if self._last[i] is None else max(1, step - self._last[i])
+            self._last[i] = step
+            fires = det.update(rule.observe(float(x)), steps)
+            self._levels[i] = det.level if rule.may_fire(float(x)) else 0.0
+            if fires and rule.may_fire(float(x)) and i not in self._fired:
                 self._fired.add(i)
                 new.append(Alarm(step, rule, float(x)))
         self.alarms.extend(new)
         return new
 
+    @property
+    def pressure(self) -> float:
+        """How near the nearest rule is to firing, at its last observation: its detector's statistic over
+        its threshold (1 and above: fired, or would have), 0 where it may not fire (below its floor)."""
+        return max(self._levels, default=0.0)
+
     def rearm(self) -> None:
         """Fresh detectors that may fire again (after a recovery: the series start from a new reference);
         the alarms so far stay in `alarms`."""
         self._detectors = [r.make() for r in self.rules]
+        self._levels = [0.0] * len(self.rules)
+        self._last = [None] * len(self.rules)
         self._fired.clear()
 
 

@@ -372,7 +372,7 @@ class SupervisionConfig(Checked):
 class MonitorConfig(Checked):
     """Control-token statistics (monitor.py)."""
 
-    probe_every: NonNegInt = 2  # teacher-force the probe set every N RL steps (0: never)
+    probe_every: NonNegInt = 3  # teacher-force the probe set every N RL steps (0: never); docs/LOG.md 2026-12-05 (6)
     probe_size: NonNegInt = 32  # oracle conversations of the training split in the probe set
     control_tokens: tuple[str, ...] = ("<tool_call>", "</tool_call>", "<|im_end|>", "<|im_start|>",
                                        "<tool_response>")

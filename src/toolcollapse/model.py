@@ -219,6 +219,36 @@ def run_prefix(model: PreTrainedModel, prefix_ids: torch.Tensor) -> list[tuple[t
     return _run_prefix(model, prefix_ids)[1]
 
 
+@torch.no_grad()
+def prompt_prefix(model: PreTrainedModel, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`run_prefix` without a gradient, through the model's own call (so any model with Hugging Face's
+    signature, a wrapper too: what the rollout engine accepts); the same numbers, bit for bit (test)."""
+    cache = DynamicCache(config=model.config)
+    with precision(model):
+        forward(model, torch.tensor([ids], device=device_of(model)), cache=cache, logits_to_keep=1)
+    return prefix_kv(cache)
+
+
+class PrefixCache:
+    """The keys and values of the prefixes run under the current weights, for the forwards that start with
+    them: an RL step's rollout, probe and validation all begin with the same ~650-token system prompt.
+    No gradient. Whoever changes the weights clears it (`rl` does at every step)."""
+
+    def __init__(self, model: PreTrainedModel):
+        self.model = model
+        self._kv: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def __call__(self, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`prompt_prefix` of `ids`, run once until `clear`."""
+        key = tuple(ids)
+        if key not in self._kv:
+            self._kv[key] = prompt_prefix(self.model, ids)
+        return self._kv[key]
+
+    def clear(self) -> None:
+        self._kv.clear()
+
+
 def _run_prefix(model: PreTrainedModel, prefix_ids: torch.Tensor
                 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     """The prefix's last hidden states [1, P, D] and its keys and values (`run_prefix`)."""

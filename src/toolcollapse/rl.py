@@ -10,8 +10,9 @@ One step:
      only (tool output and template tokens are masked), plus beta * k3 KL to the
      frozen initial model (losses.py), token-mean over the batch;
   4. clip the gradient norm; a non-finite loss or norm skips the step, never the weights.
-Every `monitor.probe_every` steps, before the update, a fixed probe set of oracle
-conversations is teacher-forced through the policy and its control-token and content
+Every `monitor.probe_every` steps, after the rollouts and before the update (on the weights the
+rollouts sampled from, reading the system prompt's keys and values the rollouts ran), a fixed probe set
+of oracle conversations is teacher-forced through the policy and its control-token and content
 statistics are logged (monitor.py); every `grpo.eval_every` steps the policy runs greedily
 on fixed `eval.split` tasks (`val/success`, `val/healthy_rate`: the skill, which the format
 can hide). Alarm rules watch the probe's series (alarms.py): an alarm is printed,
@@ -64,7 +65,7 @@ from toolcollapse.envs import make_env
 from toolcollapse.evaluate import sampling_params
 from toolcollapse.losses import aggregate, kl_k3, luffy_loss, ppo_clip_loss, unlikelihood
 from toolcollapse.parser import first_rejected_control
-from toolcollapse.model import (device_of, load_model, load_tokenizer, logits_after, logits_at, place,
+from toolcollapse.model import (PrefixCache, device_of, load_model, load_tokenizer, logits_after, logits_at, place,
                                 resolve_device, run_prefix, shared_prefix_len)
 from toolcollapse.sources import add_control_tokens, apply_lora, ready_for_chatml, token_ids
 from toolcollapse.monitor import (ProbeSet, build_probe, content_labels, control_gradient_share, resolve_token_ids,
@@ -567,6 +568,7 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
     probe, probe_tokens = probe_for(cfg, env, tokenizer)
     val_tasks = env.tasks(cfg.eval.split, g.eval_n) if g.eval_every else []
     engine = RolloutEngine.from_config(model, tokenizer, env, cfg.rollout)
+    engine.prefixes = PrefixCache(model)
     params = sampling_params(cfg, greedy=False)
     bar = progress(g.steps, "rl", initial=start)
     last_val = "-"  # the last validation's success (and its cost), for the progress line
@@ -583,19 +585,20 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
         save_at(0)  # a rollback target before the first periodic checkpoint
     model.train()
     for step in range(start, g.steps):
-        t_probe = time.time()
-        probe_stats = {}  # measured before this step's update: step 0 is the initial policy
-        if probe is not None and step % m.probe_every == 0:
-            probe_stats = run_probe(model, probe, probe_tokens, cfg.rollout.temperature)
-        t_val = time.time()
-        if val_tasks and step % g.eval_every == 0:
-            probe_stats.update(validate(engine, val_tasks, cfg))
-            probe_stats["seconds_val"] = time.time() - t_val
-            last_val = f"{probe_stats['val/success']:.2f} ({probe_stats['seconds_val']:.0f}s)"
         t0 = time.time()
+        engine.prefixes.clear()  # the weights moved: the rollout runs the system prompt, the probe and validation reuse it
         tasks = tasks_for_step(order, step, g.prompts_per_step)
         episodes, kinds = group_rollouts(engine, tasks, params, g.group_size, s, seed=cfg.seed * 1_000_003 + step)
         t_rollout = time.time()
+        probe_stats = {}  # measured on the weights the rollouts sampled from, before this step's update (step 0: the start)
+        if probe is not None and step % m.probe_every == 0:
+            probe_stats = run_probe(model, probe, probe_tokens, cfg.rollout.temperature, engine.prefixes)
+        t_probe = time.time()
+        if val_tasks and step % g.eval_every == 0:
+            probe_stats.update(validate(engine, val_tasks, cfg))
+            probe_stats["seconds_val"] = time.time() - t_probe
+            last_val = f"{probe_stats['val/success']:.2f} ({probe_stats['seconds_val']:.0f}s)"
+        t_val = time.time()
         lr = lr_at(step, g.lr, g.warmup_steps, g.steps, g.min_lr_ratio, g.schedule) * lr_scale
         set_lr(optimizer, lr)
         rewards = rewards_tensor(episodes, g.format_reward)
@@ -613,8 +616,8 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
             log_failures(run_dir, failed)
             phases.failures += failed
         metrics = {"step": step, "lr": lr, **probe_stats, **update_stats, **row_kind_stats(episodes, kinds),
-                   "seconds": time.time() - t_probe, "seconds_probe": t_val - t_probe,
-                   "seconds_rollout": t_rollout - t0, "seconds_update": time.time() - t_rollout}
+                   "seconds": time.time() - t0, "seconds_probe": t_probe - t_rollout,
+                   "seconds_rollout": t_rollout - t0, "seconds_update": time.time() - t_val}
         if phases.ets_round_ends(step):  # part of the step: an alarm's checkpoint or rollback sees it done
             metrics.update({f"ets/{k.removeprefix('phase/')}": v for k, v in
                             _phase(phases, "ets", step=step, failures=phases.ets_failures(step), optimizer=optimizer).items()})

@@ -48,9 +48,8 @@ from toolcollapse.chat import (ENDOFTEXT, CONTROL_TAGS, PieceEncoder, assistant_
 from toolcollapse.attention import cascade, cascade_attention, causal_mask
 from toolcollapse.config import RolloutConfig
 from toolcollapse.envs.base import Environment, EpisodeState
-from toolcollapse.kvcache import (add_rows, append_only_cache, cascade_cache, drop_unread_groups, prefix_kv,
-                                  take_rows)
-from toolcollapse.model import device_of, forward, precision
+from toolcollapse.kvcache import (add_rows, append_only_cache, cascade_cache, drop_unread_groups, take_rows)
+from toolcollapse.model import PrefixCache, device_of, forward, precision, prompt_prefix
 from toolcollapse.parser import parse_turn_ids
 from toolcollapse.records import CallEnd, Episode, Task, TurnRecord
 from toolcollapse.runtime import progress
@@ -179,6 +178,7 @@ class RolloutEngine:
         self.id_to_tag = {ids[t]: t for t in CONTROL_TAGS}
         self.device = device_of(model)  # ids, masks and the cache live there; sampling draws on the CPU
         self.lean = False  # decoding steps through `lean_decode` (set by each `generate`)
+        self.prefixes: PrefixCache | None = None  # the batches' shared prefixes, kept while the weights stay (`rl`)
 
     @classmethod
     def from_config(cls, model: PreTrainedModel, tokenizer: Any, env: Environment, cfg: RolloutConfig) -> RolloutEngine:
@@ -290,9 +290,8 @@ class RolloutEngine:
         of = torch.tensor(of, device=self.device)  # [N] each row's prompt among the distinct ones
         shared = shared_prefix(distinct) if self.cascade else 0
         if shared:
-            cache = DynamicCache(config=self.model.config)
-            forward(self.model, torch.tensor([distinct[0][:shared]], device=self.device), cache=cache, logits_to_keep=1)
-            prefix = prefix_kv(cache)
+            ids = distinct[0][:shared]
+            prefix = self.prefixes(ids) if self.prefixes is not None else prompt_prefix(self.model, ids)
             cache = cascade_cache(self.model.config, prefix)
         else:
             cache = append_only_cache(self.model.config)
