@@ -315,9 +315,8 @@ def test_a_prefix_cache_runs_the_system_prompt_once_for_a_steps_rollouts_probe_a
 
     plain = step(RolloutEngine(policy, tokenizer, world), None)
     runs = []
-    real, alone = model_module.prompt_prefix, model_module._run_prefix  # the probe runs its own with the latter
+    real = model_module.prompt_prefix  # what every PrefixCache runs, a reader's own too
     monkeypatch.setattr(model_module, "prompt_prefix", lambda *a: runs.append(1) or real(*a))
-    monkeypatch.setattr(model_module, "_run_prefix", lambda *a: runs.append(2) or alone(*a))
     engine = RolloutEngine(policy, tokenizer, world)
     engine.prefixes = PrefixCache(policy)
     shared = step(engine, engine.prefixes)

@@ -75,7 +75,7 @@ def test_content_statistics_equal_the_probabilities_a_model_gives(tokenizer, mon
 
     monkeypatch.setattr(monitor, "logits_at", fake_logits)
     monkeypatch.setattr(monitor, "logits_after", fake_logits)
-    monkeypatch.setattr(monitor, "run_prefix", lambda model, ids: None)
+    monkeypatch.setattr(monitor, "PrefixCache", lambda model: lambda ids: None)  # no prefix to run: a stand-in model
     token_ids = resolve_token_ids(tokenizer, CONTROL_TAGS)
     probe = build_probe([(ids, mask)], tokenizer.pad_token_id, token_ids, [labels])
     stand_in = torch.nn.Linear(1, 1)  # run_probe reads the device and the train/eval mode off it

@@ -47,7 +47,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from toolcollapse.chat import ENDOFTEXT, IM_END, IM_START, TOOL_CALL, TOOL_CALL_END, TOOL_RESPONSE, TOOL_RESPONSE_END
-from toolcollapse.model import PrefixCache, device_of, logits_after, logits_at, run_prefix, shared_prefix_len
+from toolcollapse.model import PrefixCache, device_of, logits_after, logits_at, shared_prefix_len
 
 
 class Slot(enum.IntEnum):
@@ -303,11 +303,8 @@ def run_probe(model: Any, probe: ProbeSet, token_ids: Mapping[str, int], tempera
     control = torch.tensor(list(token_ids.values()), dtype=torch.long, device=device)
     cols, truth, greedy = [], [], []
     p, done = probe.prefix_len, 0
-    prefix = None  # the shared prefix's keys and values, once for every chunk
-    if p and prefixes is not None:
-        prefix = prefixes(probe.input_ids[0, :p].tolist())
-    elif p:
-        prefix = run_prefix(model, probe.input_ids[:1, :p].to(device))
+    prefixes = prefixes if prefixes is not None else PrefixCache(model)
+    prefix = prefixes(probe.input_ids[0, :p].tolist()) if p else None  # once for every chunk
     for start in range(0, len(probe.input_ids), PROBE_CHUNK):  # rows sorted by length: little padding a chunk
         select = probe.select[start:start + PROBE_CHUNK]
         width = int(select.any(dim=0).nonzero().max()) + 1

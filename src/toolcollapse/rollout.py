@@ -49,7 +49,7 @@ from toolcollapse.attention import cascade, cascade_attention, causal_mask
 from toolcollapse.config import RolloutConfig
 from toolcollapse.envs.base import Environment, EpisodeState
 from toolcollapse.kvcache import (add_rows, append_only_cache, cascade_cache, drop_unread_groups, take_rows)
-from toolcollapse.model import PrefixCache, device_of, forward, precision, prompt_prefix
+from toolcollapse.model import PrefixCache, device_of, forward, precision
 from toolcollapse.parser import parse_turn_ids
 from toolcollapse.records import CallEnd, Episode, Task, TurnRecord
 from toolcollapse.runtime import progress
@@ -290,8 +290,7 @@ class RolloutEngine:
         of = torch.tensor(of, device=self.device)  # [N] each row's prompt among the distinct ones
         shared = shared_prefix(distinct) if self.cascade else 0
         if shared:
-            ids = distinct[0][:shared]
-            prefix = self.prefixes(ids) if self.prefixes is not None else prompt_prefix(self.model, ids)
+            prefix = (self.prefixes if self.prefixes is not None else PrefixCache(self.model))(distinct[0][:shared])
             cache = cascade_cache(self.model.config, prefix)
         else:
             cache = append_only_cache(self.model.config)
