@@ -11,6 +11,7 @@ system prompt, and the main phase, 8 full conversations whose system prompt is r
   bfloat16       the same under bfloat16 autocast (`model.dtype: bfloat16`, issue 14)
   sorted/4       float32, the batch sorted by length and run as micro-batches of 4, each cut to
                  its own longest row (the same gradient, less padding; not in `sft`)
+  bf16 sorted/4  both candidates together
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def main() -> None:
     phases = {"warm-up (16 x no system prompt)": (encode_without_system_prompt(encoder, tasks), 16),
               "main (8 x full task)": (encode_tasks(encoder, tasks), 8)}
     sides = {"before": ("float32", 0), "float32": ("float32", 0), "bfloat16": ("bfloat16", 0),
-             "sorted/4": ("float32", 4)}
+             "sorted/4": ("float32", 4), "bf16 sorted/4": ("bfloat16", 4)}
     pad = tokenizer.pad_token_id
     times: dict[tuple[str, str], list[float]] = {}
     for r in range(args.rounds):
@@ -65,11 +66,11 @@ def main() -> None:
                 times.setdefault((phase, side), []).append((time.perf_counter() - t0) / args.steps)
     print(f"seconds per SFT step, mean of {args.rounds} rounds x {args.steps} steps, {args.threads} threads")
     print("ratios against `before`")
-    print(f"{'phase':34s}" + "".join(f"{s:>12s}" for s in sides) + "".join(f"{'x ' + s:>14s}" for s in list(sides)[1:]))
+    print(f"{'phase':34s}" + "".join(f"{s:>14s}" for s in sides) + "".join(f"{'x ' + s:>16s}" for s in list(sides)[1:]))
     for phase in phases:
         mean = {s: sum(times[phase, s]) / len(times[phase, s]) for s in sides}
-        print(f"{phase:34s}" + "".join(f"{mean[s]:12.3f}" for s in sides)
-              + "".join(f"{mean['before'] / mean[s]:14.2f}" for s in list(sides)[1:]))
+        print(f"{phase:34s}" + "".join(f"{mean[s]:14.3f}" for s in sides)
+              + "".join(f"{mean['before'] / mean[s]:16.2f}" for s in list(sides)[1:]))
 
 
 def step(model, optimizer, batch, pad: int, micro: int) -> None:
