@@ -88,9 +88,10 @@ def child_config(src: str, dst: str) -> list[str]:
 def call(src: Path, *args: str) -> typing.Any:
     """This script's `--child` mode under the code in `src` (a checkout's root); its JSON answer."""
     env = {**os.environ, "PYTHONPATH": str(src / "src")}
-    out = subprocess.run([sys.executable, __file__, "--child", *args], cwd=src, env=env, check=True,
-                         capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    done = subprocess.run([sys.executable, __file__, "--child", *args], cwd=src, env=env, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"`{args[0]}` under the code of {src} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -109,10 +110,15 @@ def main() -> None:
         return
     here = Path(__file__).resolve().parents[1]
     checkpoint = Path(args.checkpoint).resolve()
+    if not (checkpoint / "toolcollapse.yaml").is_file():
+        ap.error(f"--checkpoint {args.checkpoint}: not a toolcollapse checkpoint (no toolcollapse.yaml); "
+                 "build one with `toolcollapse sft --config configs/tiny.yaml`")
     with tempfile.TemporaryDirectory() as tmp:
         old = Path(tmp) / "rev"
-        subprocess.run(["git", "-C", str(here), "worktree", "add", "--detach", str(old), args.rev], check=True,
-                       capture_output=True)
+        added = subprocess.run(["git", "-C", str(here), "worktree", "add", "--detach", str(old), args.rev],
+                               capture_output=True, text=True)
+        if added.returncode:
+            ap.error(f"--rev {args.rev}: git could not check it out ({added.stderr.strip()})")
         try:
             compare(here, old, checkpoint, Path(tmp) / "checkpoint", args)
         finally:
