@@ -26,29 +26,28 @@ import tempfile
 import typing
 from pathlib import Path
 
-STUDY = ["grpo.prompts_per_step=4", "grpo.group_size=8", "rollout.max_turns=8", "rollout.max_new_tokens=64",
-         "monitor.probe_every=1", "grpo.lr=1.0e-5", "grpo.checkpoint_every=1000", "threads=1"]
 KEYS = ("seconds", "seconds_probe", "seconds_rollout", "seconds_update", "response_tokens")
-EPISODES = 4 * 8  # a step's episodes: prompts_per_step x group_size
+EPISODES = 4 * 8  # a step's episodes in rl_step.STUDY: prompts_per_step x group_size
 
 
 # ----------------------------------------------------------------------------- run inside each side's process
+# (under the revision's code: only what both codes have; the study overrides come from the parent, `rl_step.STUDY`)
 
 
-def child_steps(root: str, checkpoint: str, steps: int) -> list[dict]:
+def child_steps(root: str, checkpoint: str, steps: int, *study: str) -> list[dict]:
     import torch
 
     from toolcollapse.config import load_config
     from toolcollapse.rl import run_rl
     from toolcollapse.runtime import read_jsonl
     torch.set_num_threads(1)
-    cfg = load_config(f"{root}/configs/tiny_rl.yaml", [f"init={checkpoint}", f"grpo.steps={steps}", *STUDY])
+    cfg = load_config(f"{root}/configs/tiny_rl.yaml", [f"init={checkpoint}", f"grpo.steps={steps}", *study])
     with tempfile.TemporaryDirectory() as tmp:
         run_rl(cfg, Path(tmp) / "rl")
         return [{k: row[k] for k in ("step", *KEYS)} for row in read_jsonl(Path(tmp) / "rl" / "metrics.jsonl")]
 
 
-def child_greedy(root: str, checkpoint: str) -> list[list[int]]:
+def child_greedy(root: str, checkpoint: str, *study: str) -> list[list[int]]:
     import torch
 
     from toolcollapse.config import load_config
@@ -57,7 +56,7 @@ def child_greedy(root: str, checkpoint: str) -> list[list[int]]:
     from toolcollapse.model import load_model, load_tokenizer
     from toolcollapse.rollout import RolloutEngine
     torch.set_num_threads(1)
-    cfg = load_config(f"{root}/configs/tiny_rl.yaml", [f"init={checkpoint}", *STUDY])
+    cfg = load_config(f"{root}/configs/tiny_rl.yaml", [f"init={checkpoint}", *study])
     model, tokenizer, env = load_model(checkpoint).eval(), load_tokenizer(checkpoint), make_env(cfg)
     episodes = RolloutEngine(model, tokenizer, env).generate(env.tasks("train")[:4], sampling_params(cfg, greedy=True),
                                                              group_size=8)
@@ -104,7 +103,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         mode, *rest = args.child
-        fn = {"steps": lambda root, ck, n: child_steps(root, ck, int(n)), "greedy": child_greedy,
+        fn = {"steps": lambda root, ck, n, *study: child_steps(root, ck, int(n), *study), "greedy": child_greedy,
               "config": child_config}[mode]
         print(json.dumps(fn(*rest)))
         return
@@ -133,13 +132,15 @@ def compare(here: Path, old: Path, checkpoint: Path, old_checkpoint: Path, args:
     dropped = call(old, "config", str(checkpoint / "toolcollapse.yaml"), str(old_checkpoint / "toolcollapse.yaml"))
     print(f"{args.rev}: the checkpoint's config without {len(dropped)} keys it does not know ({', '.join(dropped)})")
     sides = {"rev": (old, old_checkpoint), "now": (here, checkpoint)}
-    greedy = {name: call(root, "greedy", str(root), str(ck)) for name, (root, ck) in sides.items()}
+    sys.path.insert(0, str(Path(__file__).parent))
+    from rl_step import STUDY  # the study configuration, as bench/rl_step.py runs it
+    greedy = {name: call(root, "greedy", str(root), str(ck), *STUDY) for name, (root, ck) in sides.items()}
     print(f"greedy episodes identical, {args.rev} vs now (4 tasks x 8): {greedy['rev'] == greedy['now']}")
     rows: dict[str, list[dict]] = {"rev": [], "now": []}
     for k in range(args.rounds):
         for name in (("rev", "now") if k % 2 == 0 else ("now", "rev")):
             root, ck = sides[name]
-            rows[name] += call(root, "steps", str(root), str(ck), str(args.steps))
+            rows[name] += call(root, "steps", str(root), str(ck), str(args.steps), *STUDY)
             print(f"round {k} {name}: {statistics.mean(r['seconds'] for r in rows[name][-args.steps:]):.2f} s a step")
     first = {name: rows[name][0] for name in rows}
     print("first step (the same weights, each side's sampler): " + "; ".join(
