@@ -11,7 +11,7 @@ torch.set_num_threads(2)
 
 @pytest.fixture(scope="session")
 def world() -> ToolWorld:
-    return ToolWorld(WorldConfig(seed=0, n_train=2000, n_test=200, n_ood=150))
+    return ToolWorld(WorldConfig(seed=0, n_train=2000, n_test=200, n_ood=150, sft_pool=1000, n_val=100))
 
 
 @pytest.fixture(scope="session")

@@ -344,3 +344,50 @@ def test_a_new_run_replaces_an_old_one_only_with_overwrite_and_resume_keeps_its_
     assert [r["step"] for r in _metrics(run)] == [0, 1]
     with pytest.raises(ConfigError, match=r"another config \(grpo\.lr"):
         run_rl(load_config(run / "config.yaml", ["grpo.lr=0.5"]), run, resume=True)
+
+
+def test_group_slices_hold_whole_groups_in_batch_order():
+    from toolcollapse.rl import group_slices
+
+    assert group_slices(24, 4, 3) == [(0, 8), (8, 16), (16, 24)]
+    assert group_slices(8, 8, 1) == [(0, 8)]
+    with pytest.raises(ValueError, match="groups"):
+        group_slices(24, 4, 4)
+
+
+def test_clip_statistics_on_a_batch_whose_ratio_is_known():
+    """Ratios exp(logp - old) set by hand: 0.5 and 0.9 with A < 0 (the first below 1 - 0.2: lower clip), 1.5 and
+    4.0 with A > 0 (both above 1.2: upper clip), 4.0 with A < 0 (above the dual clip 3)."""
+    from toolcollapse.losses import ppo_clip_loss
+
+    ratio = torch.tensor([0.5, 0.9, 1.5, 4.0, 4.0])
+    adv = torch.tensor([-1.0, -1.0, 1.0, 1.0, -1.0])
+    old = torch.zeros(5)
+    loss, s = ppo_clip_loss(ratio.log(), old, adv, 0.2, 0.2, 3.0)
+    assert s.clip_frac_low == pytest.approx(1 / 5) and s.clip_frac_high == pytest.approx(2 / 5)
+    assert s.dual_clip_frac == pytest.approx(1 / 5)
+    assert s.ratio_max == pytest.approx(4.0) and s.ratio_min == pytest.approx(0.5)
+    assert s.ratio_mean == pytest.approx(ratio.mean().item())
+    # min(r A, clip(r) A), then max(., 3 A) for A < 0: 0.8, 0.9, -1.2, -1.2, 3.0 (loss = -objective)
+    torch.testing.assert_close(loss, torch.tensor([0.8, 0.9, -1.2, -1.2, 3.0]))
+
+
+def test_mini_batches_take_one_optimizer_step_each_and_the_ratio_moves_after_the_first(tiny_model, tokenizer,
+                                                                                       rollouts):
+    """`grpo.mini_batches: 2` on 2 groups of 3: two optimizer steps; the first sees ratio 1 (the sampling
+    policy's log-probs), the second a policy one step away, so its ratio leaves 1. With one mini-batch the
+    ratio stays 1 (the control)."""
+    from toolcollapse.rl import policy_step
+
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    out = {}
+    for k in (1, 2):
+        model = __import__("copy").deepcopy(tiny_model).train()
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        g = GRPOConfig(kl_coef=0.0, group_size=3, prompts_per_step=2, mini_batches=k, micro_batch_size=3,
+                       grad_clip=1e9)
+        out[k] = policy_step(model, None, opt, rollouts, rewards, g, tokenizer.pad_token_id, {})
+    assert out[1]["optimizer_steps"] == 1 and out[2]["optimizer_steps"] == 2
+    assert abs(out[1]["ratio_max"] - 1) < 1e-4 and abs(out[1]["ratio_min"] - 1) < 1e-4
+    assert max(out[2]["ratio_max"] - 1, 1 - out[2]["ratio_min"]) > 1e-2
+    assert out[2]["clip_frac_low"] + out[2]["clip_frac_high"] > 0  # lr 1: the clip acts in the second step

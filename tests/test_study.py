@@ -2,6 +2,8 @@
 nothing twice; an unfinished SFT starts over, a finished one is reused."""
 
 import hashlib
+import json
+import re
 import subprocess
 import sys
 
@@ -59,8 +61,9 @@ def test_a_study_runs_every_stage_and_a_second_call_redoes_nothing(tmp_path):
         assert (out / run / "checkpoints" / "step_000002" / "eval" / "ood_facts.summary.json").is_file()
     assert (out / "start" / "eval" / "test.summary.json").is_file()
     text = (out / "report" / "report.md").read_text()
-    assert "## Findings" in text and "| sft_term | synchronous | 1/1 |" in text
-    assert "ets_lr1e-3 " in text and " vs sft_only " in text  # the control ran after its match, and is paired
+    assert "## Findings" in text and "| sft_term_lr1e-3 | synchronous | 1 | " in text
+    # the control ran after its match, and is paired with it (the Δ sft_only cell of ETS's row)
+    assert re.search(r"\| ets_lr1e-3 \| interleaved \| 1 \| [0-9.]+ \| [^|]+ \| [^|]+ \| [+-][0-9.]+ \[", text)
     assert (out / "report" / "report.html").is_file() and (out / "study.yaml").is_file()
 
     before = _files(tmp_path)
@@ -102,3 +105,39 @@ def test_a_bad_study_file_exits_2_before_any_work(tmp_path):
     path.write_text(yaml.safe_dump(raw))
     proc = study(str(path))
     assert proc.returncode == 2 and "missing.yaml" in proc.stderr and not (tmp_path / "sft").exists()
+
+
+@pytest.mark.slow
+def test_tries_are_chosen_on_val_then_the_chosen_one_runs_its_seeds_and_its_control(tmp_path):
+    """Stage 1: the SFT term as written and its alternative run at seed 0 and are scored on val (carved past a
+    small SFT pool); the higher one is chosen; stage 2: its seed 1 and the sft_only control of both seeds,
+    matched to the chosen runs; the report lists the tries and the paired comparisons."""
+    path = _study(tmp_path)
+    raw = yaml.safe_load(path.read_text())
+    raw["overrides"].update({"world.sft_pool": 32, "world.n_val": 8, "grpo.split": "rl"})
+    raw["seeds"] = [0, 1]
+    raw["eval_samples"] = 2
+    raw["settings"] = {"sft_term_lr1e-3": {"grpo.lr": 1e-3, "supervision.sft_coef": 0.5,
+                                           "tries": [{"supervision.sft_coef": 0.1}]},
+                       "sft_only_sft_term": {"grpo.lr": 1e-3, "supervision.sft_only.match": "@sft_term_lr1e-3",
+                                             "supervision.phase.epochs": 1}}
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    proc = study(str(path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "study"
+    selection = json.loads((out / "selection.json").read_text())["sft_term_lr1e-3"]
+    scores = [t["success"] for t in selection["tries"]]
+    chosen = selection["tries"][selection["chosen"]]["setting"]
+    assert selection["split"] == "val" and selection["chosen"] == (1 if scores[1] > scores[0] else 0)
+    for seed in (0, 1):
+        final = out / chosen / f"seed{seed}" / "checkpoints" / "step_000002" / "eval"
+        assert (final / "val.summary.json").is_file() and (final / "test-sampled.summary.json").is_file()
+        control = yaml.safe_load((out / "sft_only_sft_term" / f"seed{seed}" / "config.yaml").read_text())
+        assert control["supervision"]["sft_only"]["match"] == str(out / chosen / "seed{seed}")
+    other = "sft_term_lr1e-3.t1" if chosen == "sft_term_lr1e-3" else "sft_term_lr1e-3"
+    assert not (out / other / "seed1").exists()  # the try not chosen runs its first seed only...
+    passed = out / other / "seed0" / "checkpoints" / "step_000002" / "eval"
+    assert (passed / "val.summary.json").is_file() and not (passed / "test.summary.json").exists()  # ... scored on val
+    text = (out / "report" / "report.md").read_text()
+    assert "## Tries: each arm's coefficient chosen on validation" in text and "| chosen |" in text
+    assert re.search(r"\| sft_term_lr1e-3 \| synchronous \| 2 \| [0-9.]+ \| [+-][0-9.]+ \[", text)

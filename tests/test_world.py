@@ -161,3 +161,24 @@ def test_ood_facts_asks_about_trained_entities_in_a_counterfactual_world(world):
     differ = sum(real_results(t) != results(t) for t in facts)
     assert differ >= 0.9 * len(facts)
     assert all(real_results(t) == results(t) for t in world.tasks("test")[:50])
+
+
+def test_val_and_rl_are_carved_past_the_sft_pool_and_share_no_program(world):
+    train, val, rl = world.tasks("train"), world.tasks("val"), world.tasks("rl")
+    val_keys = [t.meta["key"] for t in val]
+    assert len(val) == world.cfg.n_val and len(set(val_keys)) == len(val_keys)  # distinct programs
+    assert not {t.meta["key"] for t in rl} & set(val_keys)
+    past = {t.id for t in train[world.cfg.sft_pool:]}
+    assert {t.id for t in val} <= past and {t.id for t in rl} <= past  # no task the SFT reads
+    assert not {t.id for t in val} & {t.id for t in rl}
+    assert len(rl) > 0.5 * (len(train) - world.cfg.sft_pool - len(val))  # most of the rest is RL's
+    assert not {t.meta["key"] for t in world.tasks("test")} & {t.meta["key"] for t in val + rl}
+
+
+def test_a_train_split_too_short_for_val_and_rl_is_a_config_error():
+    from toolcollapse.config import ConfigError
+
+    small = ToolWorld(WorldConfig(seed=0, n_train=60, n_test=10, n_ood=10, sft_pool=50, n_val=20))
+    with pytest.raises(ConfigError, match="world.n_train"):
+        small.tasks("val")
+    assert len(small.tasks("train")) == 60  # the other splits are untouched

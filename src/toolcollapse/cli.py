@@ -86,10 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="checkpoint directory written by `toolcollapse sft`")
     p.add_argument("--split", choices=SPLITS, help="default: the config's eval.split (test)")
     p.add_argument("--n", type=int, dest="n_tasks", help="evaluate the first N tasks of the split")
-    p.add_argument("--sample", action="store_true", help="sample (rollout.temperature) instead of greedy")
+    p.add_argument("--sample", nargs="?", type=_positive, const=1, metavar="K",
+                   help="sample K episodes per task (default 1) at rollout.temperature instead of greedy")
     p.add_argument("--out", help="per-task JSONL (default: CHECKPOINT/eval/<split>.jsonl)")
     _add_config_args(p, required=False)
     return parser
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of samples >= 1, got {text!r}")
+    return int(text)
 
 
 def _eval_config(args: argparse.Namespace) -> RunConfig:
@@ -104,7 +111,7 @@ def _eval_config(args: argparse.Namespace) -> RunConfig:
     if args.n_tasks is not None:
         overrides.append(f"eval.n_tasks={args.n_tasks}")
     if args.sample:
-        overrides.append("eval.greedy=false")
+        overrides += ["eval.greedy=false", f"eval.samples={args.sample}"]
     return load_config(source, overrides)
 
 
@@ -143,6 +150,12 @@ def _describe_world(cfg: RunConfig, show: int) -> None:
 
     env = make_env(cfg)
     for split in env.splits:
+        if split in getattr(env, "carved", ()):  # train tasks past the SFT pool (replayed with train)
+            try:
+                print(f"{split}: {len(env.tasks(split))} train tasks past world.sft_pool={cfg.world.sft_pool}")
+            except ConfigError as err:
+                print(f"{split}: none ({err})")
+            continue
         tasks = env.tasks(split)
         replay = replay_references(env, tasks, split, cfg.rollout.call_end)
         calls = Counter(t.meta.get("n_calls") for t in tasks)
@@ -196,6 +209,11 @@ def _prepare(args: argparse.Namespace) -> Callable[[], None]:
         from toolcollapse.study import StudyConfig
 
         sweep, specs = load_sweep(args.sweep_file, _with_backend(args), cls=StudyConfig)  # a study file's grid too
+        tried = [name for name, sets in sweep.settings.items() if isinstance(sets, dict) and "tries" in sets]
+        if tried and not args.summary_only:
+            raise ConfigError(f"settings {', '.join(tried)} have tries, which `toolcollapse study "
+                              f"{args.sweep_file}` chooses on {sweep.select_split} and then runs; a sweep would "
+                              "run only their first seed and no control that matches them")
         if args.only:
             chosen = args.only.split(",")
             unknown = sorted(set(chosen) - {s.setting for s in specs})

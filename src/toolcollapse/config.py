@@ -31,7 +31,7 @@ import yaml
 
 from toolcollapse.records import CallEnd
 
-Split = Literal["train", "test", "ood_content", "ood_format", "ood_entities", "ood_facts", "ood_compositions",
+Split = Literal["train", "val", "rl", "test", "ood_content", "ood_format", "ood_entities", "ood_facts", "ood_compositions",
                 "ood_chains"]
 SPLITS: tuple[str, ...] = typing.get_args(Split)
 
@@ -112,6 +112,11 @@ class WorldConfig(Checked):
     n_train: Count = 20000
     n_test: Count = 500
     n_ood: Count = 300  # tasks in each of ood_content and ood_format
+    # Disjoint pools of the train split: SFT reads its first `sft_pool` tasks; `val` (`n_val` tasks, distinct
+    # programs) and `rl` (the rest, no program of val's) are carved from the tasks after them, so RL trains on
+    # tasks the SFT never read and every LR or coefficient is chosen on tasks neither trained on (envs.toolworld.carve)
+    sft_pool: Count = 10000
+    n_val: Count = 500
     distractor_tools: bool = True  # document tools that no task needs
     pool_scale: Positive = 1.0  # multiplies the entities per kind (16 countries, 60 cities, 30 mountains, ...)
     quote_entities: bool = True  # questions write entity names in quotes, as kb_lookup takes them
@@ -230,7 +235,7 @@ class GRPOConfig(Checked):
     steps: Count = 100
     prompts_per_step: Count = 8
     group_size: Annotated[int, Range(2)] = 8  # rollouts per prompt (G); group-relative needs a group
-    lr: Positive = 1e-5  # tiny tier: 1e-3 collapses, 1e-4 keeps the format but loses success (docs/LOG.md)
+    lr: Positive = 1e-5  # tiny tier, converged start: 1e-3 collapses, 1e-4 keeps test success (docs/LOG.md, hardening)
     schedule: Literal["cosine", "wsd", "constant"] = "constant"
     warmup_steps: NonNegInt = 0
     min_lr_ratio: Fraction = 1.0
@@ -243,7 +248,11 @@ class GRPOConfig(Checked):
     kl_coef: NonNegative = 1e-4  # weight of the k3 KL to the frozen reference (0: no reference model)
     scale_adv_by_std: bool = True  # False: Dr. GRPO
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
-    updates_per_batch: Count = 1  # optimizer steps on each batch of rollouts
+    updates_per_batch: Count = 1  # passes (PPO epochs) over each batch of rollouts
+    # Each pass splits the batch into this many mini-batches of whole groups, an optimizer step each (the
+    # paper: 60 prompts in mini-batches of 20, k = 3): past the first, the ratio to the sampling policy moves
+    # and the clip acts. 1: one step on the whole batch (the ratio stays 1).
+    mini_batches: Count = 1
     # No optimizer step when every group's rewards are equal (all advantages 0): otherwise Adam's momentum
     # keeps moving the weights along old gradients with nothing to correct them (LOG 2026-12-03).
     skip_uninformative_steps: bool = False
@@ -260,7 +269,13 @@ class GRPOConfig(Checked):
     # (rl.update_plan).
     prefix_once: bool = True
     format_reward: NonNegative = 0.0  # optional shaping: + format_reward * share of healthy turns
+    # optional shaping (rewards.py): a failed episode scores partial_credit * the share of the ground-truth
+    # calls it made in order; the paper's reward is binary (0)
+    partial_credit: Annotated[float, Range(0, 1, high_open=True)] = 0.0
     split: Split = "train"
+    # RL draws its prompts from the first pool_size tasks of `split` only (None: all), revisiting them: the paper
+    # trains on 300 BFCL tasks (100 per category) for many epochs
+    pool_size: Count | None = None
     checkpoint_every: Count = 10
     keep_checkpoints: Count = 2
     samples_per_step: NonNegInt = 2  # decoded rollouts written to samples.jsonl per step
@@ -411,6 +426,7 @@ class EvalConfig(Checked):
     split: Split = "test"
     n_tasks: Count | None = None  # None: the whole split
     greedy: bool = True  # False: sample with rollout.temperature / top_p
+    samples: Count = 1  # sampled episodes per task when not greedy (pass@1 is their mean success)
 
 
 @dataclass(frozen=True)
@@ -442,6 +458,9 @@ def rl_problems(cfg: RunConfig) -> list[str]:
         problems.append(f"rollout.top_p: {cfg.rollout.top_p:g} < 1 is for evaluation only; RL samples from the "
                         "full distribution, because the update's log-probs (the importance ratio's numerator) "
                         "are the untruncated policy's")
+    if cfg.grpo.prompts_per_step % cfg.grpo.mini_batches:
+        problems.append(f"grpo.mini_batches: {cfg.grpo.mini_batches} does not divide grpo.prompts_per_step="
+                        f"{cfg.grpo.prompts_per_step}; a mini-batch holds whole groups")
     s, g = cfg.supervision, cfg.grpo.group_size
     own = (s.ops.rows if s.ops.enabled else 0) + (s.hbg.rows if s.hbg.enabled else 0)
     if own >= g:
@@ -624,6 +643,30 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is Any:
         return value
     raise TypeError(f"config field {key} has an unsupported type {tp}")  # a bug in this module, not user input
+
+
+def sft_tasks_read(cfg: RunConfig) -> int:
+    """How many of the train split's first tasks `cfg`'s SFT reads (its main phase's and warm-ups' conversations)."""
+    sc = cfg.sft
+    return min(cfg.world.n_train, max([sc.steps * sc.batch_size, *(w.steps * w.batch_size for w in sc.copy_warmup)]))
+
+
+def pool_problems(cfg: RunConfig, checkpoint: str | Path) -> list[str]:
+    """What makes an RL run on the `rl` or `val` tasks unfair from a checkpoint of ours: SFT on tasks past
+    `world.sft_pool` (tasks of that pool), or on another world."""
+    trained = Path(checkpoint) / "toolcollapse.yaml"
+    if cfg.env != "toolworld" or cfg.grpo.split not in ("rl", "val") or not trained.is_file():
+        return []
+    sft = load_config(trained)
+    if (sft.world.seed, sft.world.n_train) != (cfg.world.seed, cfg.world.n_train):
+        return [f"grpo.split {cfg.grpo.split}: {checkpoint} was trained on another world (world.seed "
+                f"{sft.world.seed}, n_train {sft.world.n_train}); its pools and this run's are not disjoint"]
+    read = sft_tasks_read(sft)
+    if read > cfg.world.sft_pool:
+        return [f"grpo.split {cfg.grpo.split}: {checkpoint}'s SFT read the first {read} train tasks, past "
+                f"world.sft_pool={cfg.world.sft_pool}, where the val and rl tasks start; train the start within the "
+                "pool or raise world.sft_pool"]
+    return []
 
 
 def checkpoint_problems(cfg: RunConfig, checkpoint: str | Path) -> list[str]:

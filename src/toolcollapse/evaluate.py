@@ -151,13 +151,15 @@ def sampling_params(cfg: RunConfig, greedy: bool) -> SamplingParams:
                           greedy=greedy, batch_size=r.batch_size)
 
 
-def rollout_limits(cfg: RunConfig, greedy: bool) -> dict[str, Any]:
+def rollout_limits(cfg: RunConfig, greedy: bool, samples: int = 1) -> dict[str, Any]:
     """What an evaluation's figures depend on besides the model and the tasks."""
     p = sampling_params(cfg, greedy)
     limits = {"max_turns": p.max_turns, "max_new_tokens": p.max_new_tokens, "max_seq_len": p.max_seq_len,
               "greedy": greedy, "call_end": cfg.rollout.call_end}
     if not greedy:
         limits.update(temperature=p.temperature, top_p=p.top_p, seed=cfg.seed)
+        if samples > 1:
+            limits["samples"] = samples
     if cfg.model.dtype != "float32":  # bfloat16 forwards can decode other tokens
         limits["dtype"] = cfg.model.dtype
     return limits
@@ -176,14 +178,17 @@ def run_eval(checkpoint: str | Path, cfg: RunConfig, out_path: str | Path | None
     tasks = env.tasks(cfg.eval.split, cfg.eval.n_tasks)
     engine = RolloutEngine.from_config(model, tokenizer, env, cfg.rollout)
     t0 = time.time()
-    episodes = engine.generate(tasks, sampling_params(cfg, cfg.eval.greedy), seed=cfg.seed, show_progress=True)
+    k = 1 if cfg.eval.greedy else cfg.eval.samples
+    episodes = engine.generate(tasks, sampling_params(cfg, cfg.eval.greedy), group_size=k, seed=cfg.seed,
+                               show_progress=True)
     by_id = {t.id: t for t in tasks}
-    summary = summarize(episodes, by_id, cfg.eval.split, time.time() - t0, rollout_limits(cfg, cfg.eval.greedy))
+    summary = summarize(episodes, by_id, cfg.eval.split, time.time() - t0, rollout_limits(cfg, cfg.eval.greedy, k))
     if out_path is None:
         tag = "" if cfg.eval.greedy else "-sampled"
         out_path = checkpoint / "eval" / f"{cfg.eval.split}{tag}.jsonl"
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    write_jsonl(out_path, (episode_record(ep, by_id[ep.task_id], engine.decode) for ep in episodes))
+    write_jsonl(out_path, (dict(episode_record(ep, by_id[ep.task_id], engine.decode), **({"sample": i % k} if k > 1 else {}))
+                           for i, ep in enumerate(episodes)))
     out_path.with_suffix(".summary.json").write_text(json.dumps(summary.to_json(), indent=2))
     return summary

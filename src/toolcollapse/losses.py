@@ -43,6 +43,7 @@ class PolicyLossStats:
     dual_clip_frac: float  # A < 0 and ratio > dual_clip: loss bounded by the dual clip
     ratio_mean: float
     ratio_max: float
+    ratio_min: float
 
 
 def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, clip_low: float,
@@ -69,6 +70,7 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
             dual_clip_frac=((ratio > dual_clip) & negative).sum().item() / n if dual_clip is not None else 0.0,
             ratio_mean=ratio.mean().item() if ratio.numel() else 1.0,
             ratio_max=ratio.max().item() if ratio.numel() else 1.0,
+            ratio_min=ratio.min().item() if ratio.numel() else 1.0,
         )
     return -objective, stats
 

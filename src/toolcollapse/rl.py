@@ -60,7 +60,7 @@ from toolcollapse.alarms import Alarm, Watcher, run_rules
 from toolcollapse.chat import CONTROL_TAGS, PieceEncoder, generation_prompt
 from toolcollapse.checkpoint import complete_checkpoints, load_trainer_state, save_checkpoint
 from toolcollapse.config import (ConfigError, RunConfig, checkpoint_problems, dump_config, first_difference, load_config,
-                                 rl_problems)
+                                 pool_problems, rl_problems)
 from toolcollapse.envs import make_env
 from toolcollapse.evaluate import sampling_params
 from toolcollapse.losses import aggregate, kl_k3, luffy_loss, ppo_clip_loss, unlikelihood
@@ -192,9 +192,12 @@ class UpdateStats:
     clip_frac_low: float
     clip_frac_high: float
     dual_clip_frac: float
+    ratio_mean: float  # the importance ratio to the sampling policy over sampled tokens
     ratio_max: float
+    ratio_min: float
     grad_norm: float
     skipped_nonfinite: int  # 1 when the step was skipped (non-finite loss or grad norm)
+    n_tokens: int = 0  # sampled tokens in the update
     terms: dict[str, float] = field(default_factory=dict)  # supervision terms computed in the same forward
 
 
@@ -251,7 +254,9 @@ def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torc
             sums["entropy"] += entropy.sum().item()
             for name in ("clip_frac_low", "clip_frac_high", "dual_clip_frac"):
                 sums[name] += getattr(pg_stats, name) * m
+            sums["ratio_mean"] += pg_stats.ratio_mean * m
             sums["ratio_max"] = max(sums["ratio_max"], pg_stats.ratio_max)
+            sums["ratio_min"] = min(sums.get("ratio_min", math.inf), pg_stats.ratio_min)
     if prefix is not None and finite:
         prefix.backward()
     if extra is not None and finite:
@@ -265,8 +270,9 @@ def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torc
     return UpdateStats(loss=sums["loss"], pg_loss=sums["pg_loss"], kl_ref=per_tok("kl_ref"),
                        approx_kl_old=per_tok("approx_kl_old"), entropy=per_tok("entropy"),
                        clip_frac_low=per_tok("clip_frac_low"), clip_frac_high=per_tok("clip_frac_high"),
-                       dual_clip_frac=per_tok("dual_clip_frac"), ratio_max=sums["ratio_max"],
-                       grad_norm=grad_norm, skipped_nonfinite=int(skipped),
+                       dual_clip_frac=per_tok("dual_clip_frac"), ratio_mean=per_tok("ratio_mean"),
+                       ratio_max=sums["ratio_max"], ratio_min=sums.get("ratio_min", 1.0),
+                       grad_norm=grad_norm, skipped_nonfinite=int(skipped), n_tokens=n_tokens,
                        terms={"sup/unlikelihood": sums["unlikelihood"] / n_unlikely,
                               "sup/unlikely_tokens": n_unlikely} if n_unlikely else {})
 
@@ -275,9 +281,10 @@ def policy_step(model: Any, ref_model: Any | None, optimizer: torch.optim.Optimi
                 rewards: torch.Tensor, g: Any, pad_id: int, control_ids: dict[str, int],
                 grad_share_rows: int = 0, temperature: float = 1.0,
                 sup: StepSupervision | None = None) -> dict[str, float]:
-    """Advantages, then `updates_per_batch` optimizer steps on one batch of rollouts; their statistics.
-    With grad_share_rows > 0, first the control tokens' share of the gradient on that many rollouts.
-    `sup`: the supervision terms added to every optimizer step."""
+    """Advantages over the whole batch, then `updates_per_batch` passes over it, each one optimizer step per
+    mini-batch of whole groups (`grpo.mini_batches`); their statistics. With grad_share_rows > 0, first the
+    control tokens' share of the gradient on that many rollouts. `sup`: the supervision terms, added to every
+    optimizer step (the SFT term on the ground truth of the mini-batch's own tasks)."""
     sup = sup or StepSupervision()
     advantages, adv_stats = group_advantages(rewards, g.group_size, g.scale_adv_by_std)
     if g.skip_uninformative_steps and adv_stats.frac_groups_informative == 0:
@@ -287,24 +294,68 @@ def policy_step(model: Any, ref_model: Any | None, optimizer: torch.optim.Optimi
     if sup.kinds and any(k != "policy" for k in sup.kinds):  # hinted and expert rows: old log-probs of this policy
         recompute_old_logprobs(model, batch, [i for i, k in enumerate(sup.kinds) if k != "policy"], g, temperature)
     share = grad_share(model, batch, g, control_ids, grad_share_rows, temperature) if grad_share_rows else {}
-    ref_logp = (reference_logprobs(ref_model, batch, g, temperature) if ref_model is not None else None)
-    collected: list = []  # per-token tensors of the last update's forward, for the control-token statistics
-    terms: dict[str, float] = {}  # the supervision terms' statistics (of the last update)
+    slices = group_slices(len(batch), g.group_size, g.mini_batches)
+    parts = [batch.rows(slice(*rows)) for rows in slices]
+    ref_logp = [reference_logprobs(ref_model, part, g, temperature) if ref_model is not None else None
+                for part in parts]
+    n_groups = len(batch) // g.group_size
+    sft_parts = [sup.sft_examples[a // g.group_size:b // g.group_size] if len(sup.sft_examples) == n_groups
+                 else sup.sft_examples for a, b in slices]
+    collected: list = []  # per-token tensors of the last pass's forwards, for the control-token statistics
+    terms: Counter[str] = Counter()  # the supervision terms' statistics, summed over the optimizer steps
+    sft_calls = 0
+    updates = []
+    for epoch in range(g.updates_per_batch):
+        last = epoch == g.updates_per_batch - 1
+        for part, ref, examples in zip(parts, ref_logp, sft_parts):
+            def add_sft_term(examples=examples) -> bool:
+                nonlocal sft_calls
+                stats = sup.sft.backward(model, examples)
+                terms.update(stats)
+                sft_calls += 1
+                return math.isfinite(stats["sup/sft_nll"])
 
-    def add_sft_term() -> bool:
-        terms.update(sup.sft.backward(model, sup.sft_examples))
-        return math.isfinite(terms["sup/sft_nll"])
+            updates.append(grpo_update(model, ref, optimizer, part, g, collect=collected if last else None,
+                                       temperature=temperature, extra=add_sft_term if sup.sft else None,
+                                       unlikelihood_coef=sup.unlikelihood_coef, luffy_gamma=sup.luffy_gamma))
+    if sft_calls:
+        terms["sup/sft_nll"] /= sft_calls  # the mean NLL; sup/sft_tokens stays the sum trained on
+    return {**asdict(adv_stats), **combine_updates(updates, len(parts)), **_control_stats(collected, control_ids), **share,
+            **terms, "optimizer_steps": len(updates), "skipped_uninformative": 0}
 
-    updates = [grpo_update(model, ref_logp, optimizer, batch, g, collect=collected if k == g.updates_per_batch - 1
-                           else None, temperature=temperature, extra=add_sft_term if sup.sft else None,
-                           unlikelihood_coef=sup.unlikelihood_coef, luffy_gamma=sup.luffy_gamma)
-               for k in range(g.updates_per_batch)]
-    if sup.sft:
-        terms["sup/sft_tokens"] *= g.updates_per_batch  # tokens trained on in this step's optimizer steps
-    last = asdict(updates[-1])
-    terms.update(last.pop("terms"))
-    return {**asdict(adv_stats), **last, **_control_stats(collected, control_ids), **share, **terms,
-            "skipped_uninformative": 0, "skipped_nonfinite": sum(u.skipped_nonfinite for u in updates)}
+
+def group_slices(n_rows: int, group_size: int, k: int) -> list[tuple[int, int]]:
+    """[start, end) rows of each of `k` mini-batches of whole groups (contiguous, in batch order)."""
+    n_groups = n_rows // group_size
+    if n_groups % k:
+        raise ValueError(f"{n_groups} groups do not split into {k} mini-batches")
+    per = n_groups // k * group_size
+    return [(j * per, (j + 1) * per) for j in range(k)]
+
+
+def combine_updates(updates: Sequence[UpdateStats], n_last: int = 1) -> dict[str, float]:
+    """One step's statistics over its optimizer steps: per-token means weighted by each step's tokens, the ratio's
+    extremes over all of them, the mean gradient norm (and its largest), skipped steps counted; the unlikelihood
+    term's over the last pass (its `n_last` steps)."""
+    weights = [max(1, u.n_tokens) for u in updates]
+
+    def mean_of(key: str) -> float:  # over the steps where it is finite (a skipped step's loss can be NaN)
+        pairs = [(getattr(u, key), w) for u, w in zip(updates, weights) if math.isfinite(getattr(u, key))]
+        return sum(v * w for v, w in pairs) / sum(w for _, w in pairs) if pairs else math.nan
+
+    out = {key: mean_of(key) for key in ("loss", "pg_loss", "kl_ref", "approx_kl_old", "entropy", "clip_frac_low",
+                                          "clip_frac_high", "dual_clip_frac", "ratio_mean")}
+    finite = [u.grad_norm for u in updates if math.isfinite(u.grad_norm)]
+    out.update(ratio_max=max(u.ratio_max for u in updates), ratio_min=min(u.ratio_min for u in updates),
+               grad_norm=sum(finite) / len(finite) if finite else math.nan, grad_norm_max=max(finite, default=math.nan),
+               skipped_nonfinite=sum(u.skipped_nonfinite for u in updates))
+    last_pass = updates[-n_last:]
+    unlikely = sum(u.terms.get("sup/unlikely_tokens", 0) for u in last_pass)
+    if unlikely:  # the batch's rejected control tokens (a pass's), and their mean -log(1 - p)
+        out["sup/unlikelihood"] = sum(u.terms.get("sup/unlikelihood", 0.0) * u.terms.get("sup/unlikely_tokens", 0)
+                                      for u in last_pass) / unlikely
+        out["sup/unlikely_tokens"] = unlikely
+    return out
 
 
 def grad_share(model: Any, batch: PolicyBatch, g: Any, control_ids: dict[str, int], rows: int,
@@ -564,7 +615,7 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
         on_alarm = adaptive_handler(s.adaptive) if s.adaptive.enabled else config_handler(m.on_alarm)
 
     env = make_env(cfg)
-    order = task_order(env.tasks(g.split), cfg.seed)
+    order = task_order(env.tasks(g.split, g.pool_size), cfg.seed)
     probe, probe_tokens = probe_for(cfg, env, tokenizer)
     val_tasks = env.tasks(cfg.eval.split, g.eval_n) if g.eval_every else []
     engine = RolloutEngine.from_config(model, tokenizer, env, cfg.rollout)
@@ -601,7 +652,7 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
         t_val = time.time()
         lr = lr_at(step, g.lr, g.warmup_steps, g.steps, g.min_lr_ratio, g.schedule) * lr_scale
         set_lr(optimizer, lr)
-        rewards = rewards_tensor(episodes, g.format_reward)
+        rewards = rewards_tensor(episodes, g.format_reward, g.partial_credit, {t.id: t for t in tasks})
         share_rows = m.grad_share_rows if m.grad_share_every and step % m.grad_share_every == 0 else 0
         sup = StepSupervision(
             sft_term, encode_tasks(engine.encoder, tasks, cfg.rollout.call_end) if sft_term else (),
@@ -636,8 +687,12 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
                 watcher.rearm()
             metrics.update(ctx.events)
         phase_tokens = metrics.get("ets/tokens", 0.0) + metrics.get("adaptive/tokens", 0.0)
-        if "sup/sft_tokens" in update_stats or phase_tokens:
-            sft_tokens_total += update_stats.get("sup/sft_tokens", 0.0) + phase_tokens
+        expert_tokens = 0 if update_stats.get("skipped_uninformative") else g.updates_per_batch * sum(
+            sum(ep.loss_mask) for ep, k in zip(episodes, kinds) if k == "expert")
+        if expert_tokens:  # OPS's ground-truth rows: trained on like SFT tokens, so an sft_only control matches them
+            metrics["sup/expert_tokens"] = float(expert_tokens)
+        if "sup/sft_tokens" in update_stats or phase_tokens or expert_tokens:
+            sft_tokens_total += update_stats.get("sup/sft_tokens", 0.0) + phase_tokens + expert_tokens
             metrics["sup/sft_tokens_total"] = sft_tokens_total
         metrics["alarms_total"] = len(watcher.alarms)
         _log(run_dir, writer, metrics,
@@ -700,7 +755,7 @@ def run_sft_only(cfg: RunConfig, run_dir: Path, resume: bool) -> Path:
     dump_config(cfg, run_dir / RUN_CONFIG)
     encoder = PieceEncoder(tokenizer)
     examples, tokens = [], 0
-    for task in task_order(make_env(cfg).tasks(g.split), cfg.seed):  # one epoch's tokens x epochs reach the target
+    for task in task_order(make_env(cfg).tasks(g.split, g.pool_size), cfg.seed):  # one epoch's tokens x epochs reach the target
         if tokens * s.phase.epochs >= target:
             break
         example = encode_tasks(encoder, [task], cfg.rollout.call_end)[0]
@@ -708,6 +763,8 @@ def run_sft_only(cfg: RunConfig, run_dir: Path, resume: bool) -> Path:
             continue
         examples.append(example)
         tokens += trained_tokens([example])
+    if not examples:
+        tqdm.write("rl: sft_only: the matched run trained on no SFT tokens; the control is the start itself")
     t0 = time.time()
     stats = sft_phase(model, examples, s.phase, g.micro_batch_size, tokenizer.pad_token_id, seed=cfg.seed)
     stats["phase/seconds"] = time.time() - t0
@@ -727,9 +784,9 @@ def matched_tokens(match: str, cfg: RunConfig) -> float:
         raise ConfigError(f"supervision.sft_only.match: {match} is not a finished run of {cfg.grpo.steps} steps; "
                           "run it first, or put it in the same sweep (the control waits for it there)")
     tokens = sft_tokens_so_far(read_jsonl(path))
-    if tokens <= 0:
+    if tokens <= 0 and not resume_config(Path(match)).supervision.adaptive.enabled:
         raise ConfigError(f"supervision.sft_only.match: {match} spent no SFT tokens; nothing to match")
-    return tokens
+    return tokens  # 0 only for an adaptive run that never alarmed: its control is the start itself
 
 
 def validate(engine: RolloutEngine, tasks: Sequence[Task], cfg: RunConfig) -> dict[str, float]:
@@ -764,7 +821,7 @@ def check_run_start(cfg: RunConfig, run_dir: Path, resume: bool, overwrite: bool
     aimed at another run's directory, a resumed run given another config."""
     resolve_device(cfg.device)  # ConfigError for a GPU that is not there
     problems = rl_problems(cfg)
-    problems += checkpoint_problems(cfg, cfg.init) if cfg.init else []
+    problems += checkpoint_problems(cfg, cfg.init) + pool_problems(cfg, cfg.init) if cfg.init else []
     if problems:
         raise ConfigError(problems[0])
     if not resume:

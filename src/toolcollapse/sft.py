@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from toolcollapse.chat import IM_START, PieceEncoder
-from toolcollapse.config import RunConfig, dump_config
+from toolcollapse.config import ConfigError, RunConfig, dump_config, sft_tasks_read
 from toolcollapse.envs import make_env
 from toolcollapse.losses import sft_loss
 from toolcollapse.model import build_model, device_of, logits_at, n_params, place, resolve_device, shared_prefix_len
@@ -207,6 +207,17 @@ def sft_model(cfg: RunConfig, env: Any) -> tuple[Any, Any, str]:
     return model, tokenizer, f"{mc.preset} model from scratch" + (f", LoRA rank {mc.lora.rank}" if mc.lora.rank else "")
 
 
+def validation_tasks(env: Any, n: int) -> list[Any]:
+    """The first `n` tasks of the `val` split (train tasks past the SFT pool: world.sft_pool); of `test` where
+    the environment has no val split or its train split is too short to carve one."""
+    if "val" in env.splits:
+        try:
+            return env.tasks("val")[:n]
+        except ConfigError as err:
+            print(f"sft: validating on test tasks: {err}")
+    return env.tasks("test")[:n]
+
+
 def run_sft(cfg: RunConfig, out_dir: str | Path | None = None, overwrite: bool = False) -> Path:
     """Train and save to `out_dir` (default <out_dir>/sft), which must not hold another run unless
     `overwrite` (ConfigError before anything is written)."""
@@ -227,7 +238,10 @@ def run_sft(cfg: RunConfig, out_dir: str | Path | None = None, overwrite: bool =
     sc = cfg.sft
     call_end = cfg.rollout.call_end  # who writes a call turn's <|im_end|>: trained in `sampled`
     train = encode_tasks(encoder, env.tasks("train", sc.steps * sc.batch_size), call_end)
-    val = encode_tasks(encoder, env.tasks("test")[:64], call_end)
+    if cfg.env == "toolworld" and sft_tasks_read(cfg) > cfg.world.sft_pool:
+        print(f"sft: note: this recipe reads the first {sft_tasks_read(cfg)} train tasks, past world.sft_pool="
+              f"{cfg.world.sft_pool}: the val and rl tasks are among them, so RL on `rl` from it is refused")
+    val = encode_tasks(encoder, validation_tasks(env, 64), call_end)
     val_kinds = [token_kinds(e, tokenizer) for e in val]
     longest = max(len(x) for x, _ in train)
     if longest > cfg.model.max_seq_len:

@@ -18,6 +18,7 @@ study: its stage, runs done of all, and an ETA.
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any
 
 from toolcollapse.config import ConfigError, RunConfig, dump_config, first_difference, load_config
 from toolcollapse.sweep import SweepConfig, check_start, load_sweep, run_sweep, start_eval_dir
+from toolcollapse.tries import SELECTION_FILE
 
 FINGERPRINT = "init.sha256"  # <out_dir>/start/init.sha256: the weights every run of the study started from
 STUDY_FILE = "study.yaml"  # <out_dir>/study.yaml: the study as it ran (its file with the overrides applied)
@@ -75,6 +77,47 @@ class StudyPlan:
     study: StudyConfig
     specs: list[Any]
     sft: RunConfig | None  # None: `init` is finished already
+    path: Path | None = None  # the study file and its overrides: read again once tries are chosen
+    overrides: tuple[str, ...] = ()
+
+
+def choose_tries(study: StudyConfig) -> bool:
+    """Choose every setting's try that can be chosen now (tries.choose); True if a choice was made."""
+    from toolcollapse.tries import choose, expand, pending, read_selection
+
+    settings = expand(study.settings, study.seeds)
+    before = pending(settings, read_selection(study.out_dir))
+    if not before:
+        return False
+    after = pending(settings, choose(settings, study.out_dir, study.select_split, lambda name, seed, split:
+                                     greedy_success(Path(study.out_dir) / name / f"seed{seed}", split)))
+    return len(after) < len(before)
+
+
+def passed_over(study: StudyConfig, spec: Any) -> bool:
+    """A try that was not chosen: its run at the first seed is all it gets (scored on select_split only)."""
+    from toolcollapse.tries import base_name, read_selection
+
+    record = read_selection(study.out_dir).get(base_name(spec.setting))
+    return record is not None and record["tries"][record["chosen"]]["setting"] != spec.setting
+
+
+def greedy_success(run_dir: Path, split: str) -> float | None:
+    """The greedy success of a run's final checkpoint on `split` (None: not evaluated there)."""
+    from toolcollapse.checkpoint import complete_checkpoints
+
+    done = complete_checkpoints(run_dir)
+    summary = done[-1] / "eval" / f"{split}.summary.json" if done else None
+    if summary is None or not summary.is_file():
+        return None
+    return json.loads(summary.read_text())["success_rate"]
+
+
+def finished_run(spec: Any) -> bool:
+    from toolcollapse.checkpoint import complete_checkpoints
+
+    done = complete_checkpoints(spec.run_dir)
+    return bool(done) and done[-1].name == f"step_{spec.cfg.grpo.steps:06d}"
 
 
 def plan_study(path: str | Path, overrides: list[str] = ()) -> StudyPlan:
@@ -95,10 +138,10 @@ def plan_study(path: str | Path, overrides: list[str] = ()) -> StudyPlan:
         from toolcollapse.runtime import check_new_run_dir
 
         check_new_run_dir(Path(study.init), overwrite=True, kind="sft")  # a directory holding anything else
-        return StudyPlan(study, specs, sft)
+        return StudyPlan(study, specs, sft, Path(path), tuple(overrides))
     if sft is not None:
         check_trained_by(Path(study.init), sft, study.sft_config)
-    return StudyPlan(study, specs, None)
+    return StudyPlan(study, specs, None, Path(path), tuple(overrides))
 
 
 def check_trained_by(checkpoint: Path, sft: RunConfig, source: str) -> None:
@@ -119,8 +162,12 @@ def run_study(plan: StudyPlan) -> Path:
     from toolcollapse.report import write_report
 
     study, specs = plan.study, plan.specs
+    from toolcollapse.report import write_provenance
+
     Path(study.out_dir).mkdir(parents=True, exist_ok=True)
     dump_config(study, Path(study.out_dir) / STUDY_FILE)
+    write_provenance(Path(study.out_dir), " ".join(["toolcollapse study", str(plan.path or ""),
+                                                     *(f"--set {o}" for o in plan.overrides)]))
     total = len(specs) + (1 if study.eval_n else 0)
     bar = tqdm(total=total, desc="study", unit="run", dynamic_ncols=True)
     t0 = time.time()
@@ -143,8 +190,17 @@ def run_study(plan: StudyPlan) -> Path:
         bar.write(f"study: {what} done ({time.time() - t0:.0f}s)")
 
     run_sweep(study, specs, on_done=done, quiet=True)
+    while choose_tries(study):  # a setting's try was chosen on select_split: its other seeds and controls now
+        study, specs = load_sweep(plan.path, plan.overrides, cls=StudyConfig)
+        todo = [spec for spec in specs if not passed_over(study, spec) and (
+            not finished_run(spec) or greedy_success(spec.run_dir, study.eval_split) is None
+            or (study.eval_samples and greedy_success(spec.run_dir, f"{study.eval_split}-sampled") is None))]
+        bar.total = bar.n + len(todo) + 1
+        bar.write(f"study: tries chosen on {study.select_split} ({Path(study.out_dir) / SELECTION_FILE}); "
+                  f"{len(todo)} runs to go")
+        run_sweep(study, todo, on_done=done, quiet=True)
     bar.set_postfix_str("stage: report")
-    report = write_report(study, specs)
+    report = write_report(study, specs, command=f"toolcollapse report {study.out_dir}")
     bar.close()
     print(f"study: done in {time.time() - t0:.0f}s; report {report} and {report.with_suffix('.html')}")
     return report

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from toolcollapse.config import (Checked, ConfigError, Count, NonNegInt, RunConfig, Split, checkpoint_problems,
+from toolcollapse.config import (Checked, ConfigError, Count, NonNegInt, Positive, RunConfig, Split, checkpoint_problems,
                                  first_difference, load_config, rl_problems)
 
 START_DIR = "start"  # <out_dir>/start/eval/: the sweep's evaluation of its starting checkpoint
@@ -45,8 +45,12 @@ class SweepConfig(Checked):
     threads_per_worker: Count = 1
     eval_split: Split = "test"
     eval_extra_splits: tuple[Split, ...] = ()  # also evaluated, same tasks count and limits (ood_content, ood_format)
-    eval_n: NonNegInt = 0  # tasks evaluated after training (0: no evaluation)
+    eval_n: NonNegInt = 0  # tasks evaluated after training (0: no evaluation); a split with fewer: all of them
+    # sampled episodes per task on eval_split at eval_temperature (pass@1: their mean success), besides greedy
+    eval_samples: NonNegInt = 0
+    eval_temperature: Positive = 1.0  # the sampled evaluation's, whatever temperature the runs trained at
     eval_settings: tuple[str, ...] | None = None  # settings whose final checkpoints are evaluated (None: all)
+    select_split: Split = "val"  # where a setting's `tries` are compared (tries.py); evaluated for every run then
     # local: `workers` processes here. ray: one Ray task per run, threads_per_worker CPUs each, on the Ray
     # cluster at ray_address (None: a local Ray started for the sweep; "auto": the cluster this machine is in;
     # ignored when this process has connected to Ray already). Every node must have toolcollapse and see the
@@ -83,28 +87,59 @@ def load_sweep(path: str | Path, overrides: list[str] = (), cls: type = SweepCon
     if init_ready and not (Path(sweep.init) / "config.json").is_file():
         raise ConfigError(f"init checkpoint not found: {sweep.init} (no config.json there); train it first with "
                           f"`toolcollapse sft`, or run the study with `toolcollapse study`, which trains it")
+    from toolcollapse.tries import MATCH_KEY, check_selection, expand, match_target, read_selection, run_seeds
+
+    settings = expand(sweep.settings, sweep.seeds)
+    selection = read_selection(sweep.out_dir)
+    check_selection(settings, selection, sweep.out_dir)
     specs = []
-    for name, sets in sweep.settings.items():
-        if not isinstance(sets, dict):
-            raise ConfigError(f"settings.{name}: expected a mapping of dotted keys to values")
-        for seed in sweep.seeds:
-            run_dir = Path(sweep.out_dir) / name / f"seed{seed}"
-            items = [f"{k}={v}" for k, v in {**sweep.overrides, **sets}.items()] + [
-                f"seed={seed}", f"init={sweep.init}", f"threads={sweep.threads_per_worker}",
-                f"name={name}-seed{seed}", f"out_dir={run_dir}"]
-            try:
-                cfg = load_config(sweep.base, items)
-            except ConfigError as err:
-                raise ConfigError(f"settings.{name}: {err}") from None
-            if rl_problems(cfg):
-                raise ConfigError(f"settings.{name}: {rl_problems(cfg)[0]}")
-            specs.append(RunSpec(name, seed, run_dir, cfg))
+    for setting in settings:
+        match, decided, inherited = match_target(setting.sets, settings, selection, sweep.out_dir)
+        sets = {**inherited, **setting.sets, **({MATCH_KEY: match} if match is not None else {})}
+        for seed in run_seeds(setting, selection):
+            spec = _run_spec(sweep, setting.name, seed, sets)
+            if decided:  # a control of a setting whose try is not chosen yet: validated, run once it is
+                specs.append(spec)
+    check_tries(sweep, settings, specs)
     check_against_runs_there(specs)
     check_evaluations(sweep, specs)
     check_matches(specs)
     if init_ready:
         check_start(sweep)
     return sweep, specs
+
+
+def check_tries(sweep: SweepConfig, settings: list[Any], specs: list[RunSpec]) -> None:
+    """Tries can be chosen fairly: scored on a split that is neither the reported one nor test, evaluated, and
+    no run trains on the tasks they are scored on."""
+    tried = sorted({s.base for s in settings if s.try_index is not None})
+    if not tried:
+        return
+    if sweep.select_split in ("test", sweep.eval_split):
+        raise ConfigError(f"select_split: tries chosen on {sweep.select_split!r} would be chosen on the split the "
+                          "report compares; choose them on val")
+    if not sweep.eval_n or (sweep.eval_settings is not None and set(tried) - set(sweep.eval_settings)):
+        raise ConfigError(f"settings {', '.join(tried)} have tries, which are chosen on their evaluation on "
+                          f"{sweep.select_split}: set eval_n and evaluate them (eval_settings)")
+    for spec in specs:
+        if spec.cfg.grpo.split in ("train", sweep.select_split):
+            raise ConfigError(f"settings.{spec.setting}: grpo.split {spec.cfg.grpo.split!r} holds the "
+                              f"{sweep.select_split} tasks the tries are chosen on; train on `rl`")
+
+
+def _run_spec(sweep: SweepConfig, name: str, seed: int, sets: dict[str, Any]) -> RunSpec:
+    """A run of the grid, its config built (and so validated) from the base, the sweep's overrides and `sets`."""
+    run_dir = Path(sweep.out_dir) / name / f"seed{seed}"
+    items = [f"{k}={v}" for k, v in {**sweep.overrides, **sets}.items()] + [
+        f"seed={seed}", f"init={sweep.init}", f"threads={sweep.threads_per_worker}",
+        f"name={name}-seed{seed}", f"out_dir={run_dir}"]
+    try:
+        cfg = load_config(sweep.base, items)
+    except ConfigError as err:
+        raise ConfigError(f"settings.{name}: {err}") from None
+    if rl_problems(cfg):
+        raise ConfigError(f"settings.{name}: {rl_problems(cfg)[0]}")
+    return RunSpec(name, seed, run_dir, cfg)
 
 
 def check_against_runs_there(specs: list[RunSpec]) -> None:
@@ -140,12 +175,20 @@ def check_evaluations(sweep: SweepConfig, specs: list[RunSpec]) -> None:
     and the starting checkpoint must suit it."""
     cfg = eval_config(sweep)
     for spec in specs:
-        if sweep.eval_n and (sweep.eval_settings is None or spec.setting in sweep.eval_settings):
+        if evaluated(sweep, spec):
             for key in ("env", "rollout.call_end"):
                 here, there = (_get(c, key) for c in (spec.cfg, cfg))
                 if here != there:
                     raise ConfigError(f"settings.{spec.setting}: {key}={here!r} differs from the evaluations' "
                                       f"{there!r} (the base config with the sweep's overrides); set it in overrides")
+
+
+def evaluated(sweep: SweepConfig, spec: RunSpec) -> bool:
+    """The run's final checkpoint is evaluated: eval_n > 0 and its setting (a try: the setting it tries) is in
+    eval_settings (None: all)."""
+    from toolcollapse.tries import base_name
+
+    return bool(sweep.eval_n) and (sweep.eval_settings is None or base_name(spec.setting) in sweep.eval_settings)
 
 
 def check_start(sweep: SweepConfig) -> None:
@@ -162,15 +205,20 @@ def _get(cfg: Any, dotted: str) -> Any:
 
 
 def eval_splits(sweep: SweepConfig) -> list[str]:
-    return list(dict.fromkeys((sweep.eval_split, *sweep.eval_extra_splits)))
+    """The splits every evaluated checkpoint is scored on greedily: eval_split first, then the extra ones, and
+    select_split where a setting has tries."""
+    has_tries = any(isinstance(s, dict) and "tries" in s for s in sweep.settings.values())
+    return list(dict.fromkeys((sweep.eval_split, *sweep.eval_extra_splits, *([sweep.select_split] if has_tries else []))))
 
 
-def eval_config(sweep: SweepConfig, split: str | None = None) -> RunConfig:
+def eval_config(sweep: SweepConfig, split: str | None = None, samples: int = 0) -> RunConfig:
     """The config every evaluation of the sweep runs with: the base config with the sweep's
-    `overrides` (not a setting's), greedy, on `eval_n` tasks of `split` (default `eval_split`)."""
+    `overrides` (not a setting's), on `eval_n` tasks of `split` (default `eval_split`), greedy, or
+    `samples` episodes per task at the rollout temperature."""
     items = [f"{k}={v}" for k, v in sweep.overrides.items()] + [
-        f"threads={sweep.threads_per_worker}", f"eval.split={split or sweep.eval_split}", "eval.greedy=true",
-        f"eval.n_tasks={sweep.eval_n or 'null'}"]
+        f"threads={sweep.threads_per_worker}", f"eval.split={split or sweep.eval_split}",
+        f"eval.greedy={'false' if samples else 'true'}", f"eval.samples={max(1, samples)}",
+        f"eval.n_tasks={sweep.eval_n or 'null'}"] + ([f"rollout.temperature={sweep.eval_temperature}"] if samples else [])
     try:
         return load_config(sweep.base, items)
     except ConfigError as err:
@@ -291,29 +339,52 @@ def _run_one(job: tuple[RunSpec | None, SweepConfig, bool, str]) -> str:
     finished = bool(done) and done[-1].name == f"step_{spec.cfg.grpo.steps:06d}"
     if not finished:  # a run killed before its first checkpoint starts over in its own directory
         run_rl(spec.cfg, spec.run_dir, resume=bool(done), overwrite=not done)
-    if sweep.eval_n and (sweep.eval_settings is None or spec.setting in sweep.eval_settings):
+    if evaluated(sweep, spec):
         final = complete_checkpoints(spec.run_dir)[-1]
-        evaluate_checkpoint(final, sweep, final / "eval")
+        evaluate_checkpoint(final, sweep, final / "eval", [sweep.select_split] if undecided_try(sweep, spec) else None)
     return str(spec.run_dir)
+
+
+def undecided_try(sweep: SweepConfig, spec: RunSpec) -> bool:
+    """The run is a try whose setting is not chosen yet: scored on select_split only (the chosen one gets the
+    rest of its evaluations once it is chosen; the others never need them)."""
+    from toolcollapse.tries import base_name, expand, read_selection
+
+    base = base_name(spec.setting)
+    tried = {s.base for s in expand(sweep.settings, sweep.seeds) if s.try_index is not None}
+    return base in tried and base not in read_selection(sweep.out_dir)
 
 
 def start_eval_dir(sweep: SweepConfig) -> Path:
     return Path(sweep.out_dir) / START_DIR / "eval"
 
 
-def evaluate_checkpoint(checkpoint: Path, sweep: SweepConfig, eval_dir: Path) -> None:
-    """Greedy evaluation on every eval split under the sweep's one set of limits (`eval_config`),
-    except where `eval_dir` already holds one of the same tasks under the same limits."""
+def evaluations(sweep: SweepConfig, splits: list[str] | None = None) -> list[tuple[str, RunConfig]]:
+    """(file stem, config) of every evaluation of a checkpoint: greedy on each eval split (or `splits`), and
+    `eval_samples` sampled episodes a task on eval_split (`<split>-sampled`)."""
+    out = [(split, eval_config(sweep, split)) for split in (splits or eval_splits(sweep))]
+    if sweep.eval_samples and splits is None:
+        out.append((f"{sweep.eval_split}-sampled", eval_config(sweep, sweep.eval_split, sweep.eval_samples)))
+    return out
+
+
+def evaluate_checkpoint(checkpoint: Path, sweep: SweepConfig, eval_dir: Path, splits: list[str] | None = None) -> None:
+    """Every evaluation (`evaluations`) under the sweep's one set of limits (`eval_config`), except where
+    `eval_dir` already holds one of the same tasks under the same limits."""
+    from toolcollapse.envs import make_env
     from toolcollapse.evaluate import rollout_limits, run_eval
 
-    for split in eval_splits(sweep):
-        cfg = eval_config(sweep, split)
-        summary_path = eval_dir / f"{split}.summary.json"
+    env = None
+    for stem, cfg in evaluations(sweep, splits):
+        summary_path = eval_dir / f"{stem}.summary.json"
+        k = 1 if cfg.eval.greedy else cfg.eval.samples
         if summary_path.is_file():
+            env = env or make_env(cfg)
             done = json.loads(summary_path.read_text())
-            if done["n_episodes"] == sweep.eval_n and done.get("limits") == rollout_limits(cfg, greedy=True):
+            if (done["n_episodes"] == k * len(env.tasks(cfg.eval.split, cfg.eval.n_tasks))
+                    and done.get("limits") == rollout_limits(cfg, cfg.eval.greedy, k)):
                 continue
-        run_eval(checkpoint, cfg, eval_dir / f"{split}.jsonl")
+        run_eval(checkpoint, cfg, eval_dir / f"{stem}.jsonl")
 
 
 # ----------------------------------------------------------------------------- the collapse table

@@ -917,7 +917,8 @@ def _task_lookup(env: Any, cfg: RunConfig) -> Any:
 
     def task(task_id: str) -> Any:
         guess = task_id.rsplit("-", 1)[0]
-        for split in ([guess] if guess in env.splits else []) + [s for s in env.splits if s != guess]:
+        searched = [s for s in env.splits if s not in getattr(env, "carved", ())]  # val, rl: train tasks
+        for split in ([guess] if guess in searched else []) + [s for s in searched if s != guess]:
             if task_id in tasks:
                 break
             tasks.update({t.id: t for t in env.tasks(split)})

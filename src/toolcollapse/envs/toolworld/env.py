@@ -13,10 +13,10 @@ from __future__ import annotations
 import functools
 import json
 import re
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from toolcollapse.chat import render_text
-from toolcollapse.config import SPLITS, ToolsConfig, WorldConfig
+from toolcollapse.config import SPLITS, ConfigError, ToolsConfig, WorldConfig
 from toolcollapse.envs.base import EpisodeState
 from toolcollapse.envs.toolworld.functions import WorldTools
 from toolcollapse.envs.toolworld.kb import counterfactual, generate_kb
@@ -28,9 +28,37 @@ from toolcollapse.sandbox import Sandbox
 _ANSWER = re.compile(r"answer is\s*(.*?)\s*\.?\s*$", re.I | re.S)
 
 
+def carve(train: Sequence[Task], sft_pool: int, n_val: int) -> dict[str, list[Task]]:
+    """`val` and `rl` out of the train tasks past the SFT's first `sft_pool`, which it never reads: `val` the
+    first `n_val` of them with distinct programs, `rl` every later one whose program is not val's (a task keeps
+    its train id). The train split repeats programs at its natural rate (23 % of the tasks past a pool of
+    10,000 have a program also in the pool); excluding those too would leave val and rl the rare programs, a
+    harder mix than test's (val 3.0 % against test 9.8 % greedy, docs/LOG.md 2026-12-06 (8)). Raises
+    ConfigError when the train split is too short to give both."""
+    seen: set = set()
+    val: list[Task] = []
+    rest = list(train[sft_pool:])
+    for i, task in enumerate(rest):
+        if len(val) == n_val:
+            rest = rest[i:]
+            break
+        if task.meta["key"] not in seen:
+            val.append(task)
+            seen.add(task.meta["key"])
+    else:
+        rest = []
+    rl = [t for t in rest if t.meta["key"] not in seen]
+    if len(val) < n_val or not rl:
+        raise ConfigError(f"world: {len(train)} train tasks leave {len(val)} val (of world.n_val={n_val}) and "
+                          f"{len(rl)} rl tasks past the SFT pool (world.sft_pool={sft_pool}); raise world.n_train "
+                          "or lower world.sft_pool / world.n_val")
+    return {"val": val, "rl": rl}
+
+
 class ToolWorld:
     name = "toolworld"
     splits = SPLITS
+    carved = ("val", "rl")  # splits of train tasks (their ids are train's): `carve`
 
     def __init__(self, cfg: WorldConfig = WorldConfig(), tools: ToolsConfig = ToolsConfig()):
         self.cfg = cfg
@@ -45,6 +73,8 @@ class ToolWorld:
     def tasks(self, split: str, n: int | None = None) -> list[Task]:
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
+        if split in ("val", "rl") and split not in self._splits:
+            self._splits.update(carve(self.tasks("train"), self.cfg.sft_pool, self.cfg.n_val))
         if split not in self._splits:
             sizes = {"train": self.cfg.n_train, "test": self.cfg.n_test}  # every OOD split: n_ood
             held_out = frozenset()
