@@ -167,7 +167,8 @@ def definitions() -> list[list[str]]:
                                 "as many SFT tokens as <arm>'s run of the same seed trained on"],
              ["start", "the checkpoint every run starts from"],
              ["healthy min", "the lowest 5-step mean of the healthy-turn rate (healthy call or response) over the run"],
-             [f"healthy @{EARLY_STEP}", f"the lowest healthy-turn rate of steps 0-{EARLY_STEP}"],
+             [f"healthy @{EARLY_STEP}", f"the lowest 5-step mean of the healthy-turn rate over steps 0-{EARLY_STEP} "
+                                         "(sampled rollouts at the training temperature)"],
              ["collapsed", "the healthy-turn rate below half its step-0 value (or 20 %) for monitor.collapse_hold "
                            "steps, anywhere in the run"],
              ["Δ start / plain / sft_only", "the arm minus the start / plain GRPO at the same LR / its sft_only "
@@ -188,7 +189,7 @@ def start_table(study: Study) -> tuple[str, list[str], list[list[str]]]:
 def scan_table(study: Study, r: Rates) -> tuple[str, list[str], list[list[str]]]:
     header = ["lr", "seeds", f"Δ start {r.scan_split}", f"Δ start {study.first}",
               *([f"Δ start {study.sampled}"] if study.sampled else []), f"healthy @{EARLY_STEP}", "healthy min",
-              "collapsed", "pick"]
+              f"healthy turns, greedy {study.first}: start -> end", "collapsed", "pick"]
     rows = []
     for lr in study.plain_lrs:
         arm = study.plain(lr)
@@ -200,8 +201,27 @@ def scan_table(study: Study, r: Rates) -> tuple[str, list[str], list[list[str]]]
                      *([diff_cell(study.compare(arm, "start", study.sampled))] if study.sampled else []),
                      pct(min(early)) if early else "-",
                      pct(min((x["healthy_min_smooth"] for x in arm.rl_runs), default=None)),
+                     f"{pct(study.start_healthy.get(study.first))} -> {pct(_mean(arm.healthy.get(study.first)))}",
                      f"{len(arm.collapsed)}/{len(arm.rl_runs)}", pick or ""])
     return _table(header, rows)
+
+
+def _mean(xs: Sequence[float | None] | None) -> float | None:
+    xs = [x for x in xs or () if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def format_or_skill(study: Study, lr: float | None) -> str:
+    """What degrades at `lr`: the format (the greedy healthy-turn rate falls by 2 points or more), or only the
+    skill (success falls, the format holds)."""
+    arm = study.plain(lr)
+    if arm is None or study.first not in arm.healthy or study.start_healthy.get(study.first) is None:
+        return ""
+    before, after = study.start_healthy[study.first], _mean(arm.healthy[study.first])
+    d = study.compare(arm, "start", study.first)
+    what = "the format degrades" if after is not None and after <= before - 0.02 else "the format holds"
+    return (f" At lr {lr:g} {what}: greedy healthy turns on {study.first} {pct(before)} -> {pct(after)} %, "
+            f"success {d.describe() if d else '-'}.")
 
 
 def arms_table(study: Study, lr: float) -> tuple[str, list[str], list[list[str]]]:
@@ -346,7 +366,8 @@ def blocks(study: Study, figs: list[tuple[str, Path, str]], command: str = "tool
     if len(study.plain_lrs) > 1:
         out += [("h2", "Learning-rate scan: plain GRPO against the start"),
                 ("p", f"lr_up = {r.up if r.up is not None else 'none'}: {r.why_up}. lr_down = "
-                      f"{r.down if r.down is not None else 'none'}: {r.why_down}."), scan_table(study, r)]
+                      f"{r.down if r.down is not None else 'none'}: {r.why_down}."
+                      + "".join(format_or_skill(study, lr) for lr in study.plain_lrs)), scan_table(study, r)]
     for lr in study.lrs:
         out += [("h2", f"Arms at lr {lr:g}"), arms_table(study, lr)]
     out += [("h2", "The update: clipping, ratios, entropy, signal"), regime_table(study)]

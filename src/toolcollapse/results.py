@@ -57,6 +57,7 @@ class Arm:
     runs: list[dict[str, Any]] = field(default_factory=list)  # sweep.summarize_run rows, with "seed"
     metrics: list[list[dict[str, Any]]] = field(default_factory=list)  # each run's metrics.jsonl rows
     outcomes: dict[str, np.ndarray] = field(default_factory=dict)  # split -> [seeds evaluated, tasks]
+    healthy: dict[str, list[float]] = field(default_factory=dict)  # split -> each evaluated seed's healthy-turn rate
     seeds_evaluated: dict[str, list[int]] = field(default_factory=dict)
     unpaired: int = 0  # evaluations left out: other tasks or limits than the start's
     matched: list[str] = field(default_factory=list)  # an sft_only control: the run dirs whose tokens it matched
@@ -93,6 +94,7 @@ class Study:
     tasks: dict[str, list[str]]  # split -> the start's task ids, in order
     start: dict[str, np.ndarray]  # split -> [1, tasks]
     start_limits: dict[str, Any]
+    start_healthy: dict[str, float]  # split -> the start's healthy-turn rate there
     arms: list[Arm]
     selection: dict[str, dict[str, Any]]  # tries.read_selection
     monitor: MonitorConfig
@@ -149,9 +151,9 @@ def read_outcomes(path: Path) -> dict[str, float]:
     return {k: sum(v) / len(v) for k, v in wins.items()}
 
 
-def _limits(path: Path) -> Any:
+def _summary(path: Path) -> dict[str, Any]:
     summary = path.with_suffix(".summary.json")
-    return json.loads(summary.read_text()).get("limits") if summary.is_file() else None
+    return json.loads(summary.read_text()) if summary.is_file() else {}
 
 
 def evaluation_names(sweep: Any) -> tuple[list[str], str | None]:
@@ -168,14 +170,15 @@ def load_study(sweep: Any, specs: Sequence[Any]) -> Study:
     splits, sampled = evaluation_names(sweep)
     names = splits + ([sampled] if sampled else [])
     start_dir = start_eval_dir(sweep)
-    tasks, start, limits = {}, {}, {}
+    tasks, start, limits, start_healthy = {}, {}, {}, {}
     for name in names:
         path = start_dir / f"{name}.jsonl"
         if path.is_file():
             outcomes = read_outcomes(path)
             tasks[name] = list(outcomes)
             start[name] = np.array([list(outcomes.values())])
-            limits[name] = _limits(path)
+            summary = _summary(path)
+            limits[name], start_healthy[name] = summary.get("limits"), summary.get("healthy_rate")
     selection = read_selection(sweep.out_dir)
     tried = {s.base for s in expand(sweep.settings, sweep.seeds) if s.try_index is not None}
     chosen = {base: rec["tries"][rec["chosen"]]["setting"] for base, rec in selection.items()}
@@ -200,23 +203,29 @@ def load_study(sweep: Any, specs: Sequence[Any]) -> Study:
             path = done[-1] / "eval" / f"{name}.jsonl" if done else None
             if name not in tasks or path is None or not path.is_file():
                 continue
-            outcomes = read_outcomes(path)
-            if set(outcomes) != set(tasks[name]) or _limits(path) != limits[name]:
+            outcomes, summary = read_outcomes(path), _summary(path)
+            if set(outcomes) != set(tasks[name]) or summary.get("limits") != limits[name]:
                 arm.unpaired += 1
                 continue
+            arm.healthy.setdefault(name, []).append(summary.get("healthy_rate"))
             row = np.array([[outcomes[t] for t in tasks[name]]])
             arm.outcomes[name] = row if name not in arm.outcomes else np.vstack([arm.outcomes[name], row])
             arm.seeds_evaluated.setdefault(name, []).append(spec.seed)
     monitor = specs[0].cfg.monitor if specs else MonitorConfig()
     return Study(Path(sweep.out_dir).name, Path(sweep.out_dir), splits, sampled,
-                 sweep.select_split if selection else None, sweep.eval_n, tasks, start, limits, list(arms.values()),
+                 sweep.select_split if selection else None, sweep.eval_n, tasks, start, limits, start_healthy,
+                 list(arms.values()),
                  selection, monitor, len(specs), done_runs, sweep)
 
 
 def healthy_through(rows: Sequence[dict[str, Any]], step: int) -> float | None:
-    """The lowest healthy-turn rate of steps 0..`step` (None: the run has not reached it)."""
+    """The lowest 5-step trailing mean of the healthy-turn rate over steps 0..`step` (None: the run has not
+    reached it). A mean: one step's rate, ~250 sampled turns at T = 1, moves by a few points on its own."""
+    from toolcollapse.alarms import rolling_mean
+    from toolcollapse.sweep import WINDOW
+
     early = [r["healthy_rate"] for r in rows if r["step"] <= step]
-    return min(early) if rows and rows[-1]["step"] >= step else None
+    return min(rolling_mean(early, WINDOW)) if rows and rows[-1]["step"] >= step else None
 
 
 def mean_of(rows: Sequence[dict[str, Any]], key: str) -> float | None:
