@@ -125,3 +125,23 @@ def test_a_config_built_in_code_is_held_to_the_same_ranges():
     assert GRPOConfig(dual_clip=None).dual_clip is None
     assert rl_problems(load_config(None, ["rollout.top_p=0.9"]))  # fine for eval, refused for RL
     assert rl_problems(load_config(None)) == []
+
+
+def test_a_key_written_twice_in_one_mapping_is_refused_with_both_lines(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("base: configs/tiny.yaml\nsft:\n  lr: 1.0e-3\n  steps: 3\n  lr: 2.0e-3\n")
+    with pytest.raises(ConfigError, match=r"the key 'lr' appears twice in one mapping \(lines 3 and 5\)"):
+        load_config(path)
+    path.write_text("base: configs/tiny.yaml\nsft:\n  lr: 1.0e-3\n")  # a key that overrides the base: not a duplicate
+    assert load_config(path).sft.lr == 1e-3
+
+
+def test_a_config_that_is_not_utf8_is_refused_naming_the_byte(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("sft:\n  lr: 1.0e-3  # café\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"not UTF-8 text \(byte 24 is 0xe9\)"):
+        load_config(path)
+    proc = subprocess.run([sys.executable, "-m", "toolcollapse.cli", "sft", "--config", str(path), "--out",
+                           str(tmp_path / "out")], capture_output=True, text=True)
+    assert proc.returncode == 2 and "not UTF-8" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()  # before any work

@@ -1,4 +1,4 @@
-"""GRPO: batches, the update, the non-finite guard, and exact resume after SIGKILL."""
+"""GRPO: batches, the update, the non-finite guard, and exact resume after SIGKILL (a torn last log line too)."""
 
 import json
 import os
@@ -282,8 +282,12 @@ def test_sigkill_and_resume_reproduce_an_uninterrupted_run(tmp_path, answering_c
     proc.wait()
     assert marker.exists()
     assert not (killed / "checkpoints" / "step_000005").exists()  # it really was cut short
-    subprocess.run([sys.executable, "-m", "toolcollapse.cli", "rl", "--resume", str(killed)], check=True, env=env,
-                   capture_output=True)
+    with open(killed / "metrics.jsonl", "a") as f:  # and it died in the middle of writing a line (issue 20)
+        f.write('{"step": 4, "lr": 0.0')
+    proc = subprocess.run([sys.executable, "-m", "toolcollapse.cli", "rl", "--resume", str(killed)], check=True,
+                          env=env, capture_output=True, text=True)
+    said = proc.stdout + proc.stderr
+    assert "metrics.jsonl:" in said and "not a whole log line" in said  # said, not silently
     full, resumed = _metrics(tmp_path / "full"), _metrics(killed)
     assert [m["step"] for m in resumed] == list(range(5))
     assert sum(m["frac_groups_informative"] > 0 for m in full) >= 2  # updates that carry a gradient

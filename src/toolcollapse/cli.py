@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from toolcollapse.config import SPLITS, ConfigError, RunConfig, load_config
+from toolcollapse.runtime import NotTextError
 
 
 def _add_config_args(p: argparse.ArgumentParser, required: bool) -> None:
@@ -280,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
 
         hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars on every checkpoint
         work()  # a corrupt checkpoint found while loading is a ConfigError too (model.CheckpointError)
-    except ConfigError as err:
+    except (ConfigError, NotTextError) as err:
         print(f"toolcollapse: error: {err}", file=sys.stderr)
         return 2
     return 0

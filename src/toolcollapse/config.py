@@ -499,8 +499,14 @@ def read_yaml(path: Path, inherit: bool = True, _chain: tuple[Path, ...] = ()) -
     """A config file as a mapping, with its `base:` file merged underneath."""
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}" + (f" (the base of {_chain[-1]})" if _chain else ""))
+    data = path.read_bytes()
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start} is 0x{data[err.start]:02x}); save it as UTF-8") \
+            from None
+    try:
+        raw = yaml.load(text, Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     if not isinstance(raw, dict):
@@ -514,6 +520,22 @@ def read_yaml(path: Path, inherit: bool = True, _chain: tuple[Path, ...] = ()) -
     if Path(base).resolve() in chain:
         raise ConfigError(f"{path}: base: {base} leads back to {path}")
     return deep_merge(read_yaml(Path(base), True, chain), raw)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key written twice in one mapping (plain YAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} appears twice in one mapping (lines {seen[key]} and {line}); "
+                    "keep one", key_node.start_mark)
+            seen[key] = line
+        return super().construct_mapping(node, deep)
 
 
 def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:

@@ -82,7 +82,17 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, trainable: 
     return check_finite(model, path)
 
 
+# a local tokenizer keeps its vocabulary in one of these (fast, sentencepiece, BPE and WordPiece formats) or a *.tiktoken
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model")
+
+
 def load_tokenizer(path: str | Path) -> Any:
+    local = Path(path)
+    if local.is_dir() and not any((local / name).is_file() for name in TOKENIZER_FILES) \
+            and not any(local.glob("*.tiktoken")):
+        raise CheckpointError(f"{path}: no tokenizer there ({' / '.join(TOKENIZER_FILES)} missing): copy the "
+                              "tokenizer files of the model it was trained from into it")
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as err:

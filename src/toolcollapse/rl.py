@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import operator
 import shutil
@@ -79,8 +78,8 @@ from toolcollapse.interleave import (FAILURES, PHASES, PhaseRunner, adaptive_han
 from toolcollapse.judge import Judge, load_judge
 from toolcollapse.sft import encode_tasks
 from toolcollapse.supervision import SFTTerm, StepSupervision, group_rollouts, sft_tokens_so_far
-from toolcollapse.runtime import (append_jsonl, check_new_run_dir, clear_run_dir, progress, read_jsonl, seed_everything,
-                                  set_threads)
+from toolcollapse.runtime import (append_jsonl, check_new_run_dir, clear_run_dir, jsonl_lines, progress, read_jsonl,
+                                  seed_everything, set_threads)
 
 RUN_CONFIG = "config.yaml"
 
@@ -844,11 +843,17 @@ def resume_config(run_dir: Path) -> RunConfig:
 
 
 def _truncate_logs(run_dir: Path, start: int) -> None:
-    """Drop log lines of steps at or after `start`: a resumed run rewrites them."""
+    """Drop log lines of steps at or after `start`: a resumed run rewrites them. A line that does not parse (the
+    torn last line of a run killed mid-write) is dropped with a warning."""
     for name in ("metrics.jsonl", "samples.jsonl", "alarms.jsonl", FAILURES, PHASES):
         path = run_dir / name
         if path.is_file():
-            keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < start]
+            keep = []
+            for number, line, record in jsonl_lines(path):
+                if record is None or not isinstance(record.get("step"), int):
+                    tqdm.write(f"rl: {path}:{number}: not a whole log line (a write cut short?), dropped")
+                elif record["step"] < start:
+                    keep.append(line)
             path.write_text("".join(line + "\n" for line in keep))
 
 

@@ -89,9 +89,49 @@ def write_jsonl(path: str | Path, records: Iterable[dict[str, Any]]) -> None:
             f.write(json_line(r))
 
 
+MAX_LINE_BYTES = 16 << 20  # a JSONL record longer than this is not one of ours: skipped as bad
+
+
+class NotTextError(ValueError):
+    """A file read as JSON lines that is not UTF-8 text."""
+
+
+def jsonl_lines(path: str | Path) -> list[tuple[int, str, dict[str, Any] | None]]:
+    """(line number, text, record or None) for every non-blank line of a JSON-lines file; None where the line is
+    not a JSON object -- the torn last line of a process that died mid-write, garbage, a line nested past
+    Python's recursion limit or longer than MAX_LINE_BYTES. A file that is not UTF-8 text is a NotTextError
+    naming the first bad byte."""
+    data = Path(path).read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise NotTextError(f"{path}: not a JSON-lines text file (byte {err.start} is 0x{data[err.start]:02x}, "
+                           "not UTF-8)") from None
+    out = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        record = None
+        if len(line) <= MAX_LINE_BYTES:
+            try:
+                record = json.loads(line)
+            except (ValueError, RecursionError):
+                pass
+        out.append((number, line, record if isinstance(record, dict) else None))
+    return out
+
+
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The records of a JSON-lines file; a line that is not a JSON object is skipped with a warning naming the
+    file and line (the torn last line of a killed run, garbage), a file that is not text is a NotTextError."""
+    records = []
+    for number, line, record in jsonl_lines(path):
+        if record is None:
+            print(f"warning: {path}:{number}: not a JSON record, skipped ({line[:60]!r}"
+                  f"{'...' if len(line) > 60 else ''})", file=sys.stderr)
+        else:
+            records.append(record)
+    return records
 
 
 _PROGRESS = {"shown": True}
