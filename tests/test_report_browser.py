@@ -1,6 +1,6 @@
 """The HTML report in a real browser: headless Chromium (Debian's `chromium` and `chromium-driver`,
-driven by Selenium) opens report.html from disk; every figure decoded (natural width > 0) and every
-table rendered with its rows. Skipped, saying what is missing, where Chromium is not installed."""
+driven by Selenium) opens report.html from disk; every figure report.md holds decoded (natural width > 0) and
+every table of report.md rendered with its columns and rows. Skipped, saying what is missing, where Chromium is not installed."""
 
 import shutil
 
@@ -27,7 +27,12 @@ def _browser():
 def test_the_html_report_renders_in_chromium(tmp_path):
     from toolcollapse.report import write_report
 
-    page = write_report(*_study(tmp_path)).with_suffix(".html")
+    md = write_report(*_study(tmp_path))
+    page = md.with_suffix(".html")
+    lines = md.read_text().splitlines()
+    figures = [line for line in lines if line.startswith("![")]
+    headers = [len(head.split(" | ")) for head, rule in zip(lines, lines[1:]) if rule.startswith("|---")]
+    assert len(figures) >= 3 and len(headers) >= 8, (len(figures), headers)
     browser = _browser()
     try:
         browser.get(page.as_uri())
@@ -37,5 +42,6 @@ def test_the_html_report_renders_in_chromium(tmp_path):
             "return Array.from(document.querySelectorAll('table')).map(t => [t.rows.length, t.rows[0].cells.length, t.offsetHeight])")
     finally:
         browser.quit()
-    assert len(images) == 3 and all(done and w > 0 and h > 0 for done, w, h in images), images
-    assert len(tables) == 5 and all(rows >= 2 and cols >= 4 and height > 0 for rows, cols, height in tables), tables
+    assert len(images) == len(figures) and all(done and w > 0 and h > 0 for done, w, h in images), images
+    assert [cols for _, cols, _ in tables] == headers, (tables, headers)
+    assert all(rows >= 2 and height > 0 for rows, _, height in tables), tables
