@@ -3,6 +3,8 @@ rates are picked by their rules, and turning one fact of the data around turns i
 
 import json
 import re
+import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -261,3 +263,14 @@ def test_method_names(setting, expected):
     from toolcollapse.results import method_name
 
     assert method_name(setting) == expected
+
+
+def test_provenance_names_the_commit_of_the_code_that_runs_not_of_the_working_directory(tmp_path, monkeypatch):
+    from toolcollapse.report import git_commit
+
+    source = Path(__file__).resolve().parent.parent
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=source)
+    if head.returncode:
+        pytest.skip("the tests do not run from a git checkout")
+    monkeypatch.chdir(tmp_path)  # not a git checkout
+    assert git_commit().split()[0] == head.stdout.strip()

@@ -68,10 +68,13 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> tuple[str, l
 
 
 def git_commit() -> str:
+    """The commit of the code that runs (this package's checkout, not the working directory's)."""
+    here = Path(__file__).resolve().parent
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=here)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, timeout=10)
+                               text=True, timeout=10, cwd=here)
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     if head.returncode:
