@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init", help="checkpoint to start from (and to use as the KL reference)")
     p.add_argument("--out", help="run directory (default: <out_dir>/rl)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    p.add_argument("--allow-change", metavar="KEY[,KEY]", help="with --resume: config keys that may differ from the "
+                   "ones the checkpoint was saved with (edited in RUN_DIR/config.yaml); any other difference is refused")
     p.add_argument("--overwrite", action="store_true", help="replace the run already in the run directory")
 
     p = sub.add_parser("sweep", help="run a sweep file (settings x seeds) and print the collapse table")
@@ -126,6 +128,9 @@ def _rl_config(args: argparse.Namespace) -> tuple[RunConfig, Path]:
         cfg = resume_config(run_dir)
         if args.overrides:
             raise ConfigError("--resume takes no --set: the run continues with the config it started with")
+        from toolcollapse.rl import check_run_start
+
+        check_run_start(cfg, run_dir, resume=True, overwrite=False, allow_change=_allowed(args))
         return cfg, run_dir
     if not args.config:
         raise ConfigError("rl needs --config (or --resume RUN_DIR)")
@@ -140,6 +145,10 @@ def _rl_config(args: argparse.Namespace) -> tuple[RunConfig, Path]:
 
     check_run_start(cfg, run_dir, resume=False, overwrite=args.overwrite)
     return cfg, run_dir
+
+
+def _allowed(args: argparse.Namespace) -> list[str]:
+    return [k.strip() for k in (args.allow_change or "").split(",") if k.strip()]
 
 
 def _describe_world(cfg: RunConfig, show: int) -> None:
@@ -246,9 +255,12 @@ def _prepare(args: argparse.Namespace) -> Callable[[], None]:
     else:
         cfg = load_config(args.config, args.overrides)
     if args.command == "sft":
-        from toolcollapse.runtime import check_new_run_dir
+        from toolcollapse.runtime import check_new_run_dir, check_writable, lock_dir
 
-        check_new_run_dir(Path(args.out) if args.out else Path(cfg.out_dir) / "sft", args.overwrite, "sft")
+        out = Path(args.out) if args.out else Path(cfg.out_dir) / "sft"
+        lock_dir(out, "sft run")  # before --overwrite may clear anything; held until the process ends
+        check_new_run_dir(out, args.overwrite, "sft")
+        check_writable(out, 64 << 20)
     from toolcollapse.envs import check_env
     from toolcollapse.sources import check_lora, check_source
 
@@ -265,7 +277,8 @@ def _prepare(args: argparse.Namespace) -> Callable[[], None]:
     if args.command == "rl":
         from toolcollapse.rl import run_rl
 
-        return lambda: run_rl(cfg, run_dir, resume=bool(args.resume), overwrite=args.overwrite)
+        return lambda: run_rl(cfg, run_dir, resume=bool(args.resume), overwrite=args.overwrite,
+                              allow_change=_allowed(args))
     if args.command == "eval":
         from toolcollapse.evaluate import format_summary, run_eval
 
@@ -273,8 +286,15 @@ def _prepare(args: argparse.Namespace) -> Callable[[], None]:
     return lambda: _describe_world(cfg, args.show)
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # SIGTERM outside a run's loop: end cleanly (finally blocks, no traceback)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import signal
+
     args = build_parser().parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         work = (lambda: _diagnose(args)) if args.command == "diagnose" else _prepare(args)
         from transformers.utils import logging as hf_logging
@@ -284,6 +304,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, NotTextError) as err:
         print(f"toolcollapse: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("toolcollapse: interrupted (a run continues from its last checkpoint with --resume; a study or sweep "
+              "with the same command)", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 

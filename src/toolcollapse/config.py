@@ -708,8 +708,8 @@ def checkpoint_problems(cfg: RunConfig, checkpoint: str | Path) -> list[str]:
 RESULT_NEUTRAL = ("threads", "device")
 
 
-def first_difference(a: Any, b: Any, ignore: typing.Sequence[str] = RESULT_NEUTRAL) -> tuple[str, Any, Any] | None:
-    """(dotted key, value in a, value in b) of the first leaf where two configs differ, or None."""
+def differences(a: Any, b: Any, ignore: typing.Sequence[str] = RESULT_NEUTRAL) -> list[tuple[str, Any, Any]]:
+    """(dotted key, value in a, value in b) of every leaf where two configs differ."""
 
     def walk(x: Any, y: Any, prefix: str):
         if isinstance(x, dict) and isinstance(y, dict):
@@ -718,7 +718,13 @@ def first_difference(a: Any, b: Any, ignore: typing.Sequence[str] = RESULT_NEUTR
         elif x != y and prefix.rstrip(".") not in ignore:
             yield prefix.rstrip("."), x, y
 
-    return next(walk(to_dict(a), to_dict(b), ""), None)
+    return list(walk(to_dict(a), to_dict(b), ""))
+
+
+def first_difference(a: Any, b: Any, ignore: typing.Sequence[str] = RESULT_NEUTRAL) -> tuple[str, Any, Any] | None:
+    """(dotted key, value in a, value in b) of the first leaf where two configs differ, or None."""
+    found = differences(a, b, ignore)
+    return found[0] if found else None
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -44,6 +44,7 @@ import dataclasses
 import functools
 import math
 import operator
+import os
 import shutil
 import time
 from collections import Counter
@@ -57,8 +58,8 @@ from tqdm.auto import tqdm
 from toolcollapse.advantages import group_advantages
 from toolcollapse.alarms import Alarm, Watcher, run_rules
 from toolcollapse.chat import CONTROL_TAGS, PieceEncoder, generation_prompt
-from toolcollapse.checkpoint import complete_checkpoints, load_trainer_state, save_checkpoint
-from toolcollapse.config import (ConfigError, RunConfig, checkpoint_problems, dump_config, first_difference, load_config,
+from toolcollapse.checkpoint import clean_partial, complete_checkpoints, load_trainer_state, save_checkpoint
+from toolcollapse.config import (ConfigError, RunConfig, checkpoint_problems, differences, dump_config, load_config,
                                  pool_problems, rl_problems)
 from toolcollapse.envs import make_env
 from toolcollapse.evaluate import sampling_params
@@ -78,8 +79,9 @@ from toolcollapse.interleave import (FAILURES, PHASES, PhaseRunner, adaptive_han
 from toolcollapse.judge import Judge, load_judge
 from toolcollapse.sft import encode_tasks
 from toolcollapse.supervision import SFTTerm, StepSupervision, group_rollouts, sft_tokens_so_far
-from toolcollapse.runtime import (append_jsonl, check_new_run_dir, clear_run_dir, jsonl_lines, progress, read_jsonl,
-                                  seed_everything, set_threads)
+from toolcollapse.runtime import (STOP_FILE_ENV, StopOnSignal, append_jsonl, check_new_run_dir, check_writable,
+                                  clear_run_dir, jsonl_lines, lock_dir, progress, read_jsonl, seed_everything,
+                                  set_threads, storage_problem)
 
 RUN_CONFIG = "config.yaml"
 
@@ -585,14 +587,14 @@ def _policy_and_reference(cfg: RunConfig, source: Path, fresh: bool) -> tuple[An
 
 
 def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmHandler | None = None,
-           overwrite: bool = False, judge: Judge | None = None) -> Path:
+           overwrite: bool = False, judge: Judge | None = None, allow_change: Sequence[str] = ()) -> Path:
     """Train from `cfg.init` (or continue the run in `run_dir`). `on_alarm` replaces the
     monitor.on_alarm action (and the adaptive schedule); `judge`, PRS's `prs.judge`. A new run
     refuses a directory that holds another run unless `overwrite`; a resumed one, a config other
     than the one it started with."""
     run_dir = Path(run_dir)
     g, s, m = cfg.grpo, cfg.supervision, cfg.monitor
-    check_run_start(cfg, run_dir, resume, overwrite)
+    check_run_start(cfg, run_dir, resume, overwrite, allow_change)
     if s.sft_only_enabled:
         return run_sft_only(cfg, run_dir, resume)
     set_threads(cfg.threads)
@@ -634,80 +636,91 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
     if s.adaptive.enabled and s.adaptive.rollback and not done:
         save_at(0)  # a rollback target before the first periodic checkpoint
     model.train()
-    for step in range(start, g.steps):
-        t0 = time.time()
-        engine.prefixes.clear()  # the weights moved: the rollout runs the system prompt, the probe and validation reuse it
-        tasks = tasks_for_step(order, step, g.prompts_per_step)
-        episodes, kinds = group_rollouts(engine, tasks, params, g.group_size, s, seed=cfg.seed * 1_000_003 + step)
-        t_rollout = time.time()
-        probe_stats = {}  # measured on the weights the rollouts sampled from, before this step's update (step 0: the start)
-        if probe is not None and step % m.probe_every == 0:
-            probe_stats = run_probe(model, probe, probe_tokens, cfg.rollout.temperature, engine.prefixes)
-        t_probe = time.time()
-        if val_tasks and step % g.eval_every == 0:
-            probe_stats.update(validate(engine, val_tasks, cfg))
-            probe_stats["seconds_val"] = time.time() - t_probe
-            last_val = f"{probe_stats['val/success']:.2f} ({probe_stats['seconds_val']:.0f}s)"
-        t_val = time.time()
-        lr = lr_at(step, g.lr, g.warmup_steps, g.steps, g.min_lr_ratio, g.schedule) * lr_scale
-        set_lr(optimizer, lr)
-        rewards = rewards_tensor(episodes, g.format_reward, g.partial_credit, {t.id: t for t in tasks})
-        share_rows = m.grad_share_rows if m.grad_share_every and step % m.grad_share_every == 0 else 0
-        sup = StepSupervision(
-            sft_term, encode_tasks(engine.encoder, tasks, cfg.rollout.call_end) if sft_term else (),
-            s.unlikelihood_coef,
-            unlikely_positions(episodes, engine.id_to_tag, cfg.rollout.call_end) if s.unlikelihood_coef else None,
-            kinds if set(kinds) != {"policy"} else (), s.ops.gamma if s.ops.enabled and s.ops.shaping == "luffy" else 0.0)
-        update_stats = policy_step(model, ref_model, optimizer, episodes, rewards, g, tokenizer.pad_token_id,
-                                   probe_tokens, share_rows, cfg.rollout.temperature, sup)
-        if s.interleaved:
-            failed = collect_failures(step, episodes, kinds, phases.tasks, phases.judge_at(step, judge),
-                                      engine.decode, prompt_len)
-            log_failures(run_dir, failed)
-            phases.failures += failed
-        metrics = {"step": step, "lr": lr, **probe_stats, **update_stats, **row_kind_stats(episodes, kinds),
-                   "seconds": time.time() - t0, "seconds_probe": t_probe - t_rollout,
-                   "seconds_rollout": t_rollout - t0, "seconds_update": time.time() - t_val}
-        if phases.ets_round_ends(step):  # part of the step: an alarm's checkpoint or rollback sees it done
-            metrics.update({f"ets/{k.removeprefix('phase/')}": v for k, v in
-                            _phase(phases, "ets", step=step, failures=phases.ets_failures(step), optimizer=optimizer).items()})
-        alarms = watcher.update(step, metrics)
-        ctx = AlarmContext(step, run_dir, model, optimizer, recoveries=recoveries)
-        stop = False
-        if alarms:
-            ctx.rollback = functools.partial(_rollback, run_dir, step, model, optimizer)
-            ctx.scale_lr = functools.partial(operator.mul, lr_scale)
-            ctx.sft_phase = functools.partial(_phase, phases, step=step, failures=latest_per_task(phases.failures),
-                                              optimizer=optimizer)
-            stop = _raise(alarms, ctx, on_alarm)
-            if "adaptive/recovery" in ctx.events:
-                recoveries += 1
-                lr_scale = ctx.events.get("adaptive/lr_scale", lr_scale)
-                watcher.rearm()
-            metrics.update(ctx.events)
-        phase_tokens = metrics.get("ets/tokens", 0.0) + metrics.get("adaptive/tokens", 0.0)
-        expert_tokens = 0 if update_stats.get("skipped_uninformative") else g.updates_per_batch * sum(
-            sum(ep.loss_mask) for ep, k in zip(episodes, kinds) if k == "expert")
-        if expert_tokens:  # OPS's ground-truth rows: trained on like SFT tokens, so an sft_only control matches them
-            metrics["sup/expert_tokens"] = float(expert_tokens)
-        if "sup/sft_tokens" in update_stats or phase_tokens or expert_tokens:
-            sft_tokens_total += update_stats.get("sup/sft_tokens", 0.0) + phase_tokens + expert_tokens
-            metrics["sup/sft_tokens_total"] = sft_tokens_total
-        metrics["alarms_total"] = len(watcher.alarms)
-        _log(run_dir, writer, metrics,
-             sample_records(step, episodes, rewards, engine.decode, g.samples_per_step, kinds))
-        bar.update(1)
-        bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", healthy=f"{metrics['healthy_rate']:.2f}",
-                        informative=f"{metrics['frac_groups_informative']:.2f}", alarms=len(watcher.alarms),
-                        **({"val": last_val} if val_tasks else {}), refresh=False)
-        # after the step's row: a resumed run starts past it, without redoing its phase or recovery
-        if (stop or ctx.saved or (step + 1) % g.checkpoint_every == 0 or step + 1 == g.steps or phase_tokens
-                or ctx.events or "ets/steps" in metrics):
-            save_at(step + 1)
-        if stop:
-            break
+    interrupt = StopOnSignal("rl", os.environ.get(STOP_FILE_ENV))  # SIGTERM / SIGINT: stop after the step
+    try:
+        for step in range(start, g.steps):
+            t0 = time.time()
+            engine.prefixes.clear()  # the weights moved: the rollout runs the system prompt, the probe and validation reuse it
+            tasks = tasks_for_step(order, step, g.prompts_per_step)
+            episodes, kinds = group_rollouts(engine, tasks, params, g.group_size, s, seed=cfg.seed * 1_000_003 + step)
+            t_rollout = time.time()
+            probe_stats = {}  # measured on the weights the rollouts sampled from, before this step's update (step 0: the start)
+            if probe is not None and step % m.probe_every == 0:
+                probe_stats = run_probe(model, probe, probe_tokens, cfg.rollout.temperature, engine.prefixes)
+            t_probe = time.time()
+            if val_tasks and step % g.eval_every == 0:
+                probe_stats.update(validate(engine, val_tasks, cfg))
+                probe_stats["seconds_val"] = time.time() - t_probe
+                last_val = f"{probe_stats['val/success']:.2f} ({probe_stats['seconds_val']:.0f}s)"
+            t_val = time.time()
+            lr = lr_at(step, g.lr, g.warmup_steps, g.steps, g.min_lr_ratio, g.schedule) * lr_scale
+            set_lr(optimizer, lr)
+            rewards = rewards_tensor(episodes, g.format_reward, g.partial_credit, {t.id: t for t in tasks})
+            share_rows = m.grad_share_rows if m.grad_share_every and step % m.grad_share_every == 0 else 0
+            sup = StepSupervision(
+                sft_term, encode_tasks(engine.encoder, tasks, cfg.rollout.call_end) if sft_term else (),
+                s.unlikelihood_coef,
+                unlikely_positions(episodes, engine.id_to_tag, cfg.rollout.call_end) if s.unlikelihood_coef else None,
+                kinds if set(kinds) != {"policy"} else (), s.ops.gamma if s.ops.enabled and s.ops.shaping == "luffy" else 0.0)
+            update_stats = policy_step(model, ref_model, optimizer, episodes, rewards, g, tokenizer.pad_token_id,
+                                       probe_tokens, share_rows, cfg.rollout.temperature, sup)
+            if s.interleaved:
+                failed = collect_failures(step, episodes, kinds, phases.tasks, phases.judge_at(step, judge),
+                                          engine.decode, prompt_len)
+                log_failures(run_dir, failed)
+                phases.failures += failed
+            metrics = {"step": step, "lr": lr, **probe_stats, **update_stats, **row_kind_stats(episodes, kinds),
+                       "seconds": time.time() - t0, "seconds_probe": t_probe - t_rollout,
+                       "seconds_rollout": t_rollout - t0, "seconds_update": time.time() - t_val}
+            if phases.ets_round_ends(step):  # part of the step: an alarm's checkpoint or rollback sees it done
+                metrics.update({f"ets/{k.removeprefix('phase/')}": v for k, v in
+                                _phase(phases, "ets", step=step, failures=phases.ets_failures(step), optimizer=optimizer).items()})
+            alarms = watcher.update(step, metrics)
+            ctx = AlarmContext(step, run_dir, model, optimizer, recoveries=recoveries)
+            stop = False
+            if alarms:
+                ctx.rollback = functools.partial(_rollback, run_dir, step, model, optimizer)
+                ctx.scale_lr = functools.partial(operator.mul, lr_scale)
+                ctx.sft_phase = functools.partial(_phase, phases, step=step, failures=latest_per_task(phases.failures),
+                                                  optimizer=optimizer)
+                stop = _raise(alarms, ctx, on_alarm)
+                if "adaptive/recovery" in ctx.events:
+                    recoveries += 1
+                    lr_scale = ctx.events.get("adaptive/lr_scale", lr_scale)
+                    watcher.rearm()
+                metrics.update(ctx.events)
+            phase_tokens = metrics.get("ets/tokens", 0.0) + metrics.get("adaptive/tokens", 0.0)
+            expert_tokens = 0 if update_stats.get("skipped_uninformative") else g.updates_per_batch * sum(
+                sum(ep.loss_mask) for ep, k in zip(episodes, kinds) if k == "expert")
+            if expert_tokens:  # OPS's ground-truth rows: trained on like SFT tokens, so an sft_only control matches them
+                metrics["sup/expert_tokens"] = float(expert_tokens)
+            if "sup/sft_tokens" in update_stats or phase_tokens or expert_tokens:
+                sft_tokens_total += update_stats.get("sup/sft_tokens", 0.0) + phase_tokens + expert_tokens
+                metrics["sup/sft_tokens_total"] = sft_tokens_total
+            metrics["alarms_total"] = len(watcher.alarms)
+            _log(run_dir, writer, metrics,
+                 sample_records(step, episodes, rewards, engine.decode, g.samples_per_step, kinds))
+            bar.update(1)
+            bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", healthy=f"{metrics['healthy_rate']:.2f}",
+                            informative=f"{metrics['frac_groups_informative']:.2f}", alarms=len(watcher.alarms),
+                            **({"val": last_val} if val_tasks else {}), refresh=False)
+            # after the step's row: a resumed run starts past it, without redoing its phase or recovery
+            if (stop or ctx.saved or (step + 1) % g.checkpoint_every == 0 or step + 1 == g.steps or phase_tokens
+                    or ctx.events or "ets/steps" in metrics or interrupt.requested):
+                save_at(step + 1)
+            if stop or interrupt.requested:
+                break
+    except Exception as err:  # a full disk or a directory made read-only surfaces as whatever the writer raises
+        cause = storage_problem(run_dir, err)
+        if cause is None:
+            raise
+        raise StorageError(run_dir, cause) from None
+    finally:
+        interrupt.restore()
     bar.close()
     writer.close()
+    if interrupt.requested:
+        interrupt.exit(f"rl: stopped after step {step} with a checkpoint; continue with: toolcollapse rl --resume {run_dir}")
     return run_dir
 
 
@@ -815,24 +828,52 @@ def probe_for(cfg: RunConfig, env: Any, tokenizer: Any) -> tuple[ProbeSet | None
     return build_probe(examples, tokenizer.pad_token_id, resolve_token_ids(tokenizer, CONTROL_TAGS), content), token_ids
 
 
-def check_run_start(cfg: RunConfig, run_dir: Path, resume: bool, overwrite: bool) -> None:
-    """ConfigError before anything is loaded or written: an RL-incompatible config, a new run
-    aimed at another run's directory, a resumed run given another config."""
+def check_run_start(cfg: RunConfig, run_dir: Path, resume: bool, overwrite: bool,
+                    allow_change: Sequence[str] = ()) -> None:
+    """ConfigError before anything is loaded or written: an RL-incompatible config, a directory another job
+    holds (the lock is taken here and kept for the run's life), one that cannot be written, a new run aimed at
+    another run's directory, a resumed run given another config than its checkpoint was saved with (except the
+    keys in `allow_change`)."""
     resolve_device(cfg.device)  # ConfigError for a GPU that is not there
     problems = rl_problems(cfg)
     problems += checkpoint_problems(cfg, cfg.init) + pool_problems(cfg, cfg.init) if cfg.init else []
     if problems:
         raise ConfigError(problems[0])
+    lock_dir(run_dir, "rl run")
+    check_writable(run_dir, checkpoint_bytes(Path(cfg.init)) if cfg.init else 0)
     if not resume:
         check_new_run_dir(run_dir, overwrite, "rl", resume_hint=f"use --resume {run_dir} to continue it, ")
         if overwrite and cfg.init and Path(run_dir).resolve() in Path(cfg.init).resolve().parents:
             raise ConfigError(f"init {cfg.init} lies inside {run_dir}, which --overwrite would delete")
         return
-    difference = first_difference(resume_config(run_dir), cfg)
-    if difference:
-        key, was, now = difference
-        raise ConfigError(f"{run_dir} was started with another config ({key}: {was!r} there, {now!r} here); "
-                          f"resume it with its own config, or start a new run elsewhere")
+    clean_partial(run_dir)
+    saved = [resume_config(run_dir)]
+    done = complete_checkpoints(run_dir)
+    if done and (done[-1] / "toolcollapse.yaml").is_file():
+        saved.append(load_config(done[-1] / "toolcollapse.yaml"))
+    changed = {key: (was, now) for config in saved for key, was, now in differences(config, cfg)}
+    refused = sorted(set(changed) - set(allow_change))
+    if refused:
+        listing = "; ".join(f"{k}: {changed[k][0]!r} -> {changed[k][1]!r}" for k in refused)
+        raise ConfigError(f"{run_dir} was saved with another config than the one it would resume with ({listing}); "
+                          f"restore it, or name the keys that may change: --allow-change {','.join(refused)}")
+
+
+class StorageError(ConfigError):
+    """The run could not write its logs or a checkpoint (a full disk, a directory made read-only): one message
+    that names the last good checkpoint and how to continue."""
+
+    def __init__(self, run_dir: Path, err: OSError):
+        done = complete_checkpoints(run_dir)
+        last = f"the last good checkpoint is {done[-1]}" if done else "no checkpoint was saved"
+        super().__init__(f"{err.strerror} writing {err.filename or run_dir}: the run stopped; {last}. Free space or "
+                         f"make {run_dir} writable, then continue with: toolcollapse rl --resume {run_dir}")
+
+
+def checkpoint_bytes(init: Path) -> int:
+    """About what one checkpoint of a run from `init` takes: its weights three times (the model and AdamW's two
+    moments), and some room for the rest."""
+    return 3 * sum(f.stat().st_size for f in Path(init).glob("*.safetensors")) + (1 << 20)
 
 
 def resume_config(run_dir: Path) -> RunConfig:

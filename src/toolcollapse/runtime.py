@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import os
 import random
 import shutil
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -63,6 +68,138 @@ def check_new_run_dir(path: Path, overwrite: bool, kind: str, resume_hint: str =
         raise ConfigError(f"{path} holds an {other[0]} run, not an {kind} run; --overwrite will not replace it")
     raise ConfigError(f"{path} already holds a run ({', '.join(contents[:4])}{', ...' if len(contents) > 4 else ''}); "
                       f"{resume_hint}choose another directory, or pass --overwrite to replace it")
+
+
+_HELD: dict[Path, int] = {}  # lock file -> the descriptor this process holds it with
+
+
+def lock_file(path: str | Path) -> Path:
+    """Where the lock of a run or study directory lives: beside it, `.<name>.lock` (so --overwrite can clear the
+    directory under a held lock)."""
+    p = Path(path).resolve()
+    return p.parent / f".{p.name}.lock"
+
+
+def lock_dir(path: str | Path, what: str) -> None:
+    """Hold an exclusive OS lock (flock) on `path`, a run's or a study's directory, for the rest of this process:
+    a second job on it is a ConfigError at once, naming the directory and the holder's pid. The kernel releases
+    the lock when the process ends, however it ends, so a crashed run leaves none behind. Taking it again in the
+    same process is a no-op."""
+    from toolcollapse.config import ConfigError
+
+    lock = lock_file(path)
+    if lock in _HELD:
+        return
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise ConfigError(f"cannot write in {lock.parent} ({err.strerror}), where {path} and its lock would go; "
+                          "choose another directory") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise ConfigError(f"{path} is in use by another {what} (pid {holder}, lock {lock}); wait for it to end, "
+                          "or write to another directory") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _HELD[lock] = fd
+
+
+def unlock_dir(path: str | Path) -> None:
+    fd = _HELD.pop(lock_file(path), None)
+    if fd is not None:
+        os.close(fd)  # closing the descriptor releases the flock
+
+
+def check_writable(path: str | Path, need_bytes: int = 0) -> None:
+    """ConfigError before any work when `path` (or, if it does not exist yet, its nearest existing parent)
+    cannot take a file, or has less than `need_bytes` free: as root, mode bits say nothing (an immutable or
+    read-only file system does), so a file is really created and removed."""
+    from toolcollapse.config import ConfigError
+
+    target = Path(path)
+    while not target.exists():
+        target = target.parent
+    probe = target / f".toolcollapse-write-check-{os.getpid()}"
+    try:
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"cannot write in {target} ({err.strerror}): the run could not save its logs or "
+                          "checkpoints; choose another directory") from None
+    free = shutil.disk_usage(target).free
+    if free < need_bytes:
+        raise ConfigError(f"{target} has {free / 2**20:.0f} MiB free; a checkpoint needs about "
+                          f"{need_bytes / 2**20:.0f} MiB: free some space or write elsewhere")
+
+
+STORAGE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def storage_problem(path: str | Path, err: BaseException) -> OSError | None:
+    """The storage fault behind `err`, raised while writing under `path`, or None when it was something else:
+    `err` itself when it is one (no space, no permission, a read-only file system), else what a probe write in
+    `path` meets now (torch and safetensors report a full disk as their own errors)."""
+    if isinstance(err, OSError) and err.errno in STORAGE_ERRORS:
+        return err
+    probe = Path(path) / f".toolcollapse-write-check-{os.getpid()}"
+    try:
+        probe.write_bytes(b"x" * 4096)
+        probe.unlink()
+    except OSError as found:
+        return found if found.errno in STORAGE_ERRORS else None
+    if shutil.disk_usage(path).free < (1 << 20):
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    return None
+
+
+STOP_FILE_ENV = "TOOLCOLLAPSE_STOP_FILE"  # a sweep's runs stop after their step once this file exists
+
+
+class StopOnSignal:
+    """SIGTERM and SIGINT ask a loop to stop once its current step is done (the loop reads `requested`, saves a
+    checkpoint and calls `exit`); a second signal stops at once. `stop_file`: a file whose existence asks the
+    same (a study's runs in other processes). Handlers are installed only in the main thread, and `restore`
+    puts back the ones before."""
+
+    def __init__(self, what: str, stop_file: str | Path | None = None):
+        self.what, self.signum = what, None
+        self.stop_file = Path(stop_file) if stop_file else None
+        self._old: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            self.restore()
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(128 + signum)
+        self.signum = signum
+        again = "Ctrl-C" if signum == signal.SIGINT else "a second signal"
+        tqdm.write(f"{self.what}: {signal.Signals(signum).name}: stopping after this step, with a checkpoint "
+                   f"({again} stops at once)")
+
+    @property
+    def requested(self) -> bool:
+        if self.signum is None and self.stop_file is not None and self.stop_file.exists():
+            self.signum = signal.SIGTERM
+        return self.signum is not None
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old = {}
+
+    def exit(self, message: str) -> None:
+        """Print `message` (what to run to continue) and end the process with 128 + the signal's number."""
+        self.restore()
+        tqdm.write(message)
+        raise SystemExit(128 + int(self.signum or 15))
 
 
 def clear_run_dir(path: Path, kind: str) -> None:

@@ -261,10 +261,29 @@ def _serve(conn: Connection) -> None:
             conn.send((False, f"the tool's result cannot be sent back: {type(err).__name__}: {err}"))
 
 
+def _die_with_parent() -> None:
+    """Linux: the kernel sends this process SIGKILL when its parent dies, however it dies (the socket's EOF would
+    end the loop too, but not while a call runs); then a check that the parent did not die before that."""
+    import signal
+
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # it died before the request took effect
+        os._exit(0)
+
+
 def main() -> None:
     import resource
     import signal
 
+    _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; EOF ends the child
     import importlib
 

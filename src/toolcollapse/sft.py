@@ -39,7 +39,8 @@ from toolcollapse.losses import sft_loss
 from toolcollapse.model import build_model, device_of, logits_at, n_params, place, resolve_device, shared_prefix_len
 from toolcollapse.optim import lr_at, make_optimizer, set_lr
 from toolcollapse.records import CallEnd, Task
-from toolcollapse.runtime import append_jsonl, check_new_run_dir, clear_run_dir, progress, seed_everything, set_threads
+from toolcollapse.runtime import (append_jsonl, check_new_run_dir, clear_run_dir, lock_dir, progress, seed_everything,
+                                  set_threads)
 from toolcollapse.sources import SCRATCH, apply_lora, load_pretrained, merged
 from toolcollapse.tokenizer import train_tokenizer
 
@@ -222,6 +223,7 @@ def run_sft(cfg: RunConfig, out_dir: str | Path | None = None, overwrite: bool =
     """Train and save to `out_dir` (default <out_dir>/sft), which must not hold another run unless
     `overwrite` (ConfigError before anything is written)."""
     out = Path(out_dir) if out_dir is not None else Path(cfg.out_dir) / "sft"
+    lock_dir(out, "sft run")
     check_new_run_dir(out, overwrite, "sft")
     device = resolve_device(cfg.device)
     clear_run_dir(out, "sft")

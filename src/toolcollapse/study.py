@@ -134,9 +134,12 @@ def plan_study(path: str | Path, overrides: list[str] = ()) -> StudyPlan:
             sft = load_config(study.sft_config)
         except ConfigError as err:
             raise ConfigError(f"sft_config: {err}") from None
-    if need_sft:
-        from toolcollapse.runtime import check_new_run_dir
+    from toolcollapse.runtime import check_new_run_dir, check_writable, lock_dir
 
+    lock_dir(study.out_dir, "study")  # before any work: a second study on the same out_dir stops here
+    check_writable(study.out_dir, 64 << 20)
+    if need_sft:
+        lock_dir(study.init, "sft run")
         check_new_run_dir(Path(study.init), overwrite=True, kind="sft")  # a directory holding anything else
         return StudyPlan(study, specs, sft, Path(path), tuple(overrides))
     if sft is not None:
@@ -163,7 +166,9 @@ def run_study(plan: StudyPlan) -> Path:
 
     study, specs = plan.study, plan.specs
     from toolcollapse.report import write_provenance
+    from toolcollapse.runtime import lock_dir
 
+    lock_dir(study.out_dir, "study")
     Path(study.out_dir).mkdir(parents=True, exist_ok=True)
     dump_config(study, Path(study.out_dir) / STUDY_FILE)
     write_provenance(Path(study.out_dir), " ".join(["toolcollapse study", str(plan.path or ""),

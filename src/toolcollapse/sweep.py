@@ -27,10 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
 
+from toolcollapse.runtime import STOP_FILE_ENV, StopOnSignal, lock_dir
 from toolcollapse.config import (Checked, ConfigError, Count, NonNegInt, Positive, RunConfig, Split, checkpoint_problems,
                                  first_difference, load_config, rl_problems)
 
 START_DIR = "start"  # <out_dir>/start/eval/: the sweep's evaluation of its starting checkpoint
+STOP_FILE = ".stop"  # <out_dir>/.stop: written on SIGTERM / SIGINT, read by every run of the sweep
+NOT_STARTED = "not started: "
 
 
 @dataclass(frozen=True)
@@ -251,6 +254,7 @@ def run_sweep(sweep: SweepConfig, specs: list[RunSpec], on_done: Callable[[str],
     """Every run (and the starting checkpoint's evaluation) in `sweep.workers` processes, each run once the
     run it waits for (`run_after`) is done; `on_done(what)` as each finishes (default: a line on stdout).
     `quiet`: no progress bars from the workers."""
+    lock_dir(sweep.out_dir, "sweep or study")  # (a study holds it already)
     jobs = [(spec, sweep, quiet, os.getcwd()) for spec in specs]
     if sweep.eval_n:
         jobs.append((None, sweep, quiet, os.getcwd()))
@@ -261,15 +265,31 @@ def run_sweep(sweep: SweepConfig, specs: list[RunSpec], on_done: Callable[[str],
         return [s.run_dir for s in specs]
     after = run_after(specs)
     waiting = [job for job in jobs if job[0] is not None and job[0].run_dir in after]
+    # SIGTERM / SIGINT: the stop file asks every run to stop after its step with a checkpoint (run_rl reads it,
+    # through the environment its worker inherits), and the jobs not started yet not to start
+    stop_file = Path(sweep.out_dir) / STOP_FILE
+    stop_file.unlink(missing_ok=True)
+    os.environ[STOP_FILE_ENV] = str(stop_file.resolve())
+    interrupt = StopOnSignal("sweep")
+    stopped = None
     # fresh interpreters (spawn, one run each): torch threads and RNG state do not leak across runs; a worker
     # killed outright (the OOM killer) breaks the pool, which raises here instead of waiting for it forever
     with ProcessPoolExecutor(sweep.workers, mp_context=mp.get_context("spawn"), max_tasks_per_child=1) as pool:
         pending = {pool.submit(_run_one, job) for job in jobs if job not in waiting}
         try:
             while pending:
-                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                done, pending = wait(pending, return_when=FIRST_COMPLETED, timeout=1.0)
+                if interrupt.requested and not stop_file.exists():
+                    stop_file.parent.mkdir(parents=True, exist_ok=True)
+                    stop_file.write_text(f"{os.getpid()}\n")
                 for future in done:
-                    finished = future.result()  # a run's error (or BrokenProcessPool) stops the sweep
+                    try:
+                        finished = future.result()  # a run's error (or BrokenProcessPool) stops the sweep
+                    except SystemExit as err:  # a run stopped by the signal, with its checkpoint
+                        stopped = err.code
+                        continue
+                    if finished.startswith(NOT_STARTED):
+                        continue
                     report(finished)
                     for job in [j for j in waiting if str(after[j[0].run_dir]) == finished]:
                         waiting.remove(job)
@@ -279,6 +299,13 @@ def run_sweep(sweep: SweepConfig, specs: list[RunSpec], on_done: Callable[[str],
             for process in list((getattr(pool, "_processes", None) or {}).values()):
                 process.terminate()
             raise
+        finally:
+            interrupt.restore()
+            os.environ.pop(STOP_FILE_ENV, None)
+            stop_file.unlink(missing_ok=True)
+    if interrupt.requested or stopped is not None:
+        interrupt.signum = interrupt.signum or (int(stopped) - 128 if isinstance(stopped, int) else 15)
+        interrupt.exit("sweep: stopped; every run in flight saved a checkpoint. Run the same command to continue.")
     return [s.run_dir for s in specs]
 
 
@@ -329,6 +356,8 @@ def _run_one(job: tuple[RunSpec | None, SweepConfig, bool, str]) -> str:
     os.chdir(cwd)  # a sweep's paths are relative to where it was started (a Ray worker starts elsewhere)
     if quiet:
         hide_progress()
+    if os.path.exists(os.environ.get(STOP_FILE_ENV, "\0")):  # the sweep was asked to stop before this job began
+        return NOT_STARTED + str(spec.run_dir if spec else sweep.init)
     if spec is None:  # the starting checkpoint, evaluated once for comparison
         evaluate_checkpoint(Path(sweep.init), sweep, start_eval_dir(sweep))
         return f"eval of {sweep.init}"
