@@ -27,6 +27,18 @@ def test_lines_that_are_not_records_are_marked_not_raised(tmp_path, line):
     assert [r["step"] for r in read_jsonl(path)] == [0, 1]
 
 
+@pytest.mark.parametrize("char", ["\x85", "\u2028", "\u2029"])
+def test_a_record_whose_strings_hold_unicode_line_breaks_is_one_line(tmp_path, char):
+    """A model's text may hold U+0085 or U+2028, which str.splitlines() breaks at (the fuzz test found it):
+    records are split at "\n" only, so the resumed run keeps its samples."""
+    from toolcollapse.runtime import write_jsonl
+
+    path = tmp_path / "samples.jsonl"
+    records = [{"step": 0, "text": f"a{char}b"}, {"step": 1, "text": "c"}]
+    write_jsonl(path, records)
+    assert read_jsonl(path) == records
+
+
 def test_a_binary_file_is_refused_naming_the_byte(tmp_path):
     from toolcollapse.runtime import NotTextError
 

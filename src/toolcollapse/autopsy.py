@@ -186,7 +186,7 @@ def _read_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
         if obj is not None:
             return _json_rows(path, obj)
     rows = []
-    for n, line in enumerate(text.splitlines(), start=1):
+    for n, line in enumerate(text.split("\n"), start=1):  # JSON strings may hold U+0085, U+2028 (splitlines' breaks)
         if not line.strip():
             continue
         try:
