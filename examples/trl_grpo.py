@@ -3,7 +3,7 @@ environments (the tool world, BFCL multi-turn): a complete script, on a laptop C
 
     pip install -e '.[trl]'
     # CPU, minutes: the default tiny checkpoint (toolcollapse sft --config configs/tiny.yaml) in TRL's own
-    # multi-turn tool loop, the probe every 2 steps, alarms -> <out>/alarms.jsonl
+    # multi-turn tool loop, the probe every 3 steps (monitor.probe_every), alarms -> <out>/alarms.jsonl
     python examples/trl_grpo.py --checkpoint runs/tiny/sft --out runs/trl/tiny --steps 20
     # our rollout engine inside TRL (rollout_func), one OPS row per group (the ground truth, replayed)
     python examples/trl_grpo.py --checkpoint runs/tiny/sft --out runs/trl/ops --rollouts engine --ops 1

@@ -69,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("diagnose", help="alarms, collapse step and figures of a run; the lead-time table of a "
                        "sweep; four-state rates of another trainer's dumped rollouts")
-    p.add_argument("path", help="a run directory, a sweep YAML (configs/study/), or a dump of rollouts "
-                                "(JSONL of conversations, TRL completions table)")
+    p.add_argument("path", help="a run directory (ours, or a TRL GRPOTrainer output directory with the "
+                                "ControlTokenCallback's logs), a sweep YAML (configs/study/), or a dump of rollouts "
+                                "(JSONL of conversations, TRL completions table, verl rollout dump)")
     p.add_argument("--tokenizer", help="a dump's tokenizer: a local directory (e.g. the policy checkpoint)")
     p.add_argument("--format", dest="dump_format", default="auto", choices=("auto", "conversations", "trl", "verl"),
                    help="a dump's format (default: detected from its fields)")
@@ -86,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p, required=False)
 
     p = sub.add_parser("eval", help="run the multi-turn loop on a split and score it")
-    p.add_argument("checkpoint", help="checkpoint directory written by `toolcollapse sft`")
+    p.add_argument("checkpoint", help="a checkpoint directory: `toolcollapse sft`'s output, an RL run's "
+                   "checkpoints/step_000100, or any local HF model with our chat tags")
     p.add_argument("--split", choices=SPLITS, help="default: the config's eval.split (test)")
     p.add_argument("--n", type=int, dest="n_tasks", help="evaluate the first N tasks of the split")
     p.add_argument("--sample", nargs="?", type=_positive, const=1, metavar="K",
