@@ -31,12 +31,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("sft", help="train a model (from scratch, or a pretrained model.source) on oracle "
-                       "trajectories")
+                       "trajectories", description="Takes a run config (configs/tiny.yaml, configs/smol/sft.yaml); "
+                       "writes a checkpoint to --out: the weights (save_pretrained), the tokenizer, toolcollapse.yaml "
+                       "(the config), metrics.jsonl (loss and validation) and the SFT_COMPLETE marker (docs/OUTPUTS.md).")
     _add_config_args(p, required=True)
     p.add_argument("--out", help="checkpoint directory (default: <out_dir>/sft)")
     p.add_argument("--overwrite", action="store_true", help="replace the run already in that directory")
 
-    p = sub.add_parser("rl", help="GRPO from a checkpoint, or continue a run with --resume")
+    p = sub.add_parser("rl", help="GRPO from a checkpoint, or continue a run with --resume",
+                       description="Takes a run config and a checkpoint (--init, or the config's init); writes the "
+                       "run directory: config.yaml, metrics.jsonl (one row a step), samples.jsonl, alarms.jsonl, "
+                       "checkpoints/step_NNNNNN/ (each one `eval` reads), tb/ (docs/OUTPUTS.md). SIGTERM or Ctrl-C "
+                       "saves a checkpoint after the step; --resume continues.")
     _add_config_args(p, required=False)
     p.add_argument("--init", help="checkpoint to start from (and to use as the KL reference)")
     p.add_argument("--out", help="run directory (default: <out_dir>/rl)")
@@ -45,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "ones the checkpoint was saved with (edited in RUN_DIR/config.yaml); any other difference is refused")
     p.add_argument("--overwrite", action="store_true", help="replace the run already in the run directory")
 
-    p = sub.add_parser("sweep", help="run a sweep file (settings x seeds) and print the collapse table")
+    p = sub.add_parser("sweep", help="run a sweep file (settings x seeds) and print the collapse table",
+                       description="Takes a sweep YAML; writes <out_dir>/<setting>/seed<N>/ (an rl run directory "
+                       "each) and prints the collapse table. Run it again to finish an interrupted sweep.")
     p.add_argument("sweep_file", help="sweep YAML (see configs/study/)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a sweep field, e.g. --set workers=1")
@@ -55,8 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_backend_arg(p)
 
     p = sub.add_parser("study", help="the whole study: SFT (or reuse it), the sweep, the evaluations, the report; "
-                       "run it again to finish an interrupted one")
-    p.add_argument("study_file", help="study YAML (configs/study/quick.yaml, full.yaml)")
+                       "run it again to finish an interrupted one",
+                       description="Takes a study YAML; writes the start's SFT checkpoint (init, when missing), "
+                       "<out_dir>/start/eval/, a run directory per setting and seed with its final checkpoint's "
+                       "eval/, selection.json (the tries chosen on val), provenance.json and <out_dir>/report/ "
+                       "(report.md, report.html, figures/; docs/OUTPUTS.md).")
+    p.add_argument("study_file", help="study YAML (configs/study/quick.yaml, paper.yaml, full.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a study field, e.g. --set workers=1")
     _add_backend_arg(p)
