@@ -21,7 +21,13 @@ budget for a whole rollout, here 2 x turns x tokens per turn), the monitor (prob
 `monitor.on_alarm`) and the GRPO settings TRL takes from it: steps, lr, KL coefficient, clip (not the dual
 clip: TRL has none), group size, prompts per step (per process), micro-batch size (gradient accumulation
 over one generation: one optimizer step per step, as `rl`), temperature, seed. The tasks are `rl`'s order
-of the training split, cycled.
+of the training split, cycled. Its supervision is honoured: the SFT term (`supervision.sft_coef`, on each
+task's ground-truth first turn), unlikelihood, OPS and HBG rows (`--rollouts engine`), ETS / PRS rounds
+(`supervision.ets.every` steps each, then an SFTTrainer phase at `supervision.phase.*`; `--rounds` etc.
+override); the adaptive schedule and `sft_only` are refused (they run in `toolcollapse rl`). The control
+tags a checkpoint lacks (Qwen2.5 and Llama 3 have no `<tool_response>` tokens) are added first
+(`ready_for_chatml`), and the final model and tokenizer are saved to `--out`; `--save-steps`,
+`--logging-steps` and `--report-to` (TensorBoard, W&B, trackio) are TRL's own.
 """
 
 from __future__ import annotations
@@ -39,12 +45,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="GRPO steps, per round with --rounds (default grpo.steps)")
     ap.add_argument("--rollouts", choices=("tool_loop", "engine"), default="tool_loop",
                     help="TRL's own tool loop (environment_factory; the tool world) or our engine (rollout_func)")
-    ap.add_argument("--ops", type=int, default=0, help="OPS: ground-truth rows per group (needs --rollouts engine)")
-    ap.add_argument("--rounds", type=int, default=0, help="ETS/PRS: rounds of --steps GRPO steps, each then SFT")
-    ap.add_argument("--window", type=int, default=None, help="ETS/PRS: failures of the round's last N steps")
-    ap.add_argument("--prs", choices=("none", "reflection", "correction"), default="none")
-    ap.add_argument("--sft-lr", type=float, default=1e-4, help="the SFT phases' learning rate")
+    ap.add_argument("--ops", type=int, default=None, help="OPS: ground-truth rows per group (needs --rollouts "
+                    "engine; default: supervision.ops.rows when supervision.ops.enabled)")
+    ap.add_argument("--rounds", type=int, default=None, help="ETS/PRS: rounds of --steps GRPO steps, each then SFT "
+                    "(default: with supervision.ets.enabled, grpo.steps / supervision.ets.every rounds)")
+    ap.add_argument("--window", type=int, default=None, help="ETS/PRS: failures of the round's last N steps "
+                    "(default supervision.ets.window with supervision.ets.enabled, else --steps)")
+    ap.add_argument("--prs", choices=("none", "reflection", "correction"), default=None,
+                    help="PRS's target (default: supervision.prs.target with supervision.prs.enabled, else none)")
+    ap.add_argument("--sft-lr", type=float, default=None, help="the SFT phases' learning rate (supervision.phase.lr)")
     ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--report-to", default="none", help="TRL's report_to: none, tensorboard, wandb, trackio, all")
+    ap.add_argument("--save-steps", type=int, default=0, help="save a TRL checkpoint every N steps into --out "
+                    "(0: none; the final model is saved to --out either way)")
+    ap.add_argument("--logging-steps", type=int, default=1, help="TRL's logging_steps")
     ap.add_argument("--vllm", choices=("off", "colocate", "server"), default="off",
                     help="TRL's vLLM generation (tool loop only; server: start `VLLM_SERVER_DEV_MODE=1 vllm serve "
                          "CHECKPOINT` first, see docs/TRL.md)")
@@ -61,32 +75,47 @@ def main() -> None:
                                                tool_world_reward, train_interleaved)
     from toolcollapse.model import load_model, load_tokenizer
     from toolcollapse.rl import task_order
+    from toolcollapse.sources import ready_for_chatml
 
     own = Path(args.checkpoint) / "toolcollapse.yaml"
     config = args.config or (own if own.is_file() else "configs/tiny_rl.yaml")
     cfg = load_config(config, [f"init={args.checkpoint}", *args.set])
+    s = cfg.supervision
+    if s.adaptive.enabled or s.sft_only_enabled:
+        ap.error("supervision.adaptive and supervision.sft_only run in `toolcollapse rl` only; through TRL the "
+                 "monitor's alarms can log, checkpoint or stop (monitor.on_alarm)")
+    ops = args.ops if args.ops is not None else (s.ops.rows if s.ops.enabled else 0)
+    hbg = s.hbg.rows if s.hbg.enabled else 0
+    steps = args.steps or (s.ets.every if s.ets.enabled and args.rounds is None else cfg.grpo.steps)
+    rounds = args.rounds if args.rounds is not None else (cfg.grpo.steps // s.ets.every if s.ets.enabled else 0)
+    window = args.window or (s.ets.window if s.ets.enabled else steps)
+    prs = args.prs or (s.prs.target if s.prs.enabled else "none")
     env = make_env(cfg)
     if args.vllm != "off" and args.rollouts == "engine":
         ap.error("--vllm with --rollouts engine: our engine generates with the trained model itself, not vLLM")
-    if args.rollouts == "tool_loop" and (cfg.env != "toolworld" or args.ops):
-        ap.error("BFCL and OPS need --rollouts engine (TRL's tool loop ends a rollout at the first reply without a "
-                 "call, and has no place for a replayed ground truth)")
+    if args.rollouts == "tool_loop" and (cfg.env != "toolworld" or ops or hbg):
+        ap.error("BFCL, OPS and HBG need --rollouts engine (TRL's tool loop ends a rollout at the first reply without "
+                 "a call, and has no place for a replayed ground truth or a hinted prompt)")
     tokenizer, model = load_tokenizer(args.checkpoint), load_model(args.checkpoint)
+    added, notes = ready_for_chatml(model, tokenizer)  # a Qwen or Llama checkpoint lacks some of our tags
+    for line in ([f"added control tokens: {' '.join(added)}"] if added else []) + notes:
+        print(line)
     g = cfg.grpo
-    steps = args.steps or g.steps
     per_round = steps * g.prompts_per_step * PartialState().num_processes  # every process its own prompts
     order = task_order(env.tasks(g.split), cfg.seed)  # rl's order, cycled as rl cycles it; TRL keeps it (no shuffle)
-    tasks = [order[i % len(order)] for i in range(per_round * max(1, args.rounds))]
+    tasks = [order[i % len(order)] for i in range(per_round * max(1, rounds))]
     if args.rollouts == "engine":
         data = task_rows(tasks)
         rollout = dict(reward_funcs=episode_success, rollout_func=engine_rollouts(cfg, tokenizer, tasks=tasks),
-                       ops=args.ops)
+                       ops=ops, ops_shaping=s.ops.shaping, luffy_gamma=s.ops.gamma, hbg=hbg)
     else:  # our own model: its system prompt documents the tools (its chat template does not render them)
         data = task_rows(tasks, system_prompt=tokenizer.chat_template == CHAT_TEMPLATE)
         rollout = dict(reward_funcs=tool_world_reward, environment_factory=tool_world_environment(cfg),
                        call_end=cfg.rollout.call_end)
     # one generation of prompts_per_step x G rollouts a process, trained in micro-batches of grpo.micro_batch_size
     # rows, one optimizer step (as rl): TRL generates per_device x steps_per_generation (= accumulation) rows at once
+    if s.sft_coef:  # the SFT term: each prompt's ground-truth first turn, as the policy writes it after the prompt
+        data = data.add_column("reference", [first_turn_text(t) for t in tasks])
     rows = g.prompts_per_step * g.group_size
     micro = g.micro_batch_size if rows % g.micro_batch_size == 0 else rows
     grpo_args = GRPOConfig(
@@ -96,7 +125,8 @@ def main() -> None:
         temperature=cfg.rollout.temperature,  # TRL's tool loop: one budget for all turns and the tool replies
         max_completion_length=min(cfg.model.max_seq_len, 2 * cfg.rollout.max_turns * cfg.rollout.max_new_tokens),
         max_tool_calling_iterations=cfg.rollout.max_turns - 1, loss_type="dapo", shuffle_dataset=False, seed=cfg.seed,
-        logging_steps=1, save_strategy="no", report_to="none", bf16=args.bf16, use_cpu=not _cuda(),
+        logging_steps=args.logging_steps, save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500, report_to=args.report_to, bf16=args.bf16, use_cpu=not _cuda(),
         gradient_checkpointing=False, use_vllm=args.vllm != "off", vllm_mode="colocate" if args.vllm == "off" else args.vllm)
     monitor = ControlTokenCallback.for_tool_world(cfg, tokenizer)
 
@@ -104,23 +134,35 @@ def main() -> None:
         part = data.select(range(round_ * per_round, (round_ + 1) * per_round))  # each round its own tasks
         return MonitoredGRPOTrainer(model=model, args=grpo_args, train_dataset=part, processing_class=tokenizer,
                                     monitor=monitor, tool_specs=env.tool_table if cfg.env == "toolworld" else None,
-                                    **rollout)
+                                    sft_coef=s.sft_coef, unlikelihood_coef=s.unlikelihood_coef, **rollout)
 
-    if not args.rounds:
+    if not rounds:
         make_grpo().train()
     else:
         def make_sft(dataset) -> SFTTrainer:
-            sft_args = SFTConfig(output_dir=str(Path(args.out) / "sft"), num_train_epochs=1, learning_rate=args.sft_lr,
-                                 per_device_train_batch_size=4, max_length=None, save_strategy="no", report_to="none",
-                                 bf16=args.bf16, use_cpu=not _cuda(), seed=cfg.seed, logging_steps=1)
+            sft_args = SFTConfig(output_dir=str(Path(args.out) / "sft"), num_train_epochs=s.phase.epochs,
+                                 learning_rate=args.sft_lr or s.phase.lr, per_device_train_batch_size=s.phase.batch_size,
+                                 max_length=None, save_strategy="no", report_to=args.report_to, bf16=args.bf16,
+                                 use_cpu=not _cuda(), seed=cfg.seed, logging_steps=args.logging_steps)
             return SFTTrainer(model=model, args=sft_args, train_dataset=dataset, processing_class=tokenizer)
 
-        phases = train_interleaved(make_grpo, make_sft, args.rounds, args.window or steps, args.out,
-                                   rl_phase_data(cfg, tokenizer, None if args.prs == "none" else args.prs,
+        phases = train_interleaved(make_grpo, make_sft, rounds, window, args.out,
+                                   rl_phase_data(cfg, tokenizer, None if prs == "none" else prs,
                                                  call_end=cfg.rollout.call_end))
         for p in phases:
             print(p)
+    model.save_pretrained(args.out)
+    tokenizer.save_pretrained(args.out)
     print(f"alarms: {len(monitor.alarms)}; toolcollapse diagnose {args.out}")
+
+
+def first_turn_text(task) -> str:
+    """The ground truth's first assistant turn of a task, in our chat format, as the policy writes it after the
+    generation prompt: the SFT term's `reference` column."""
+    from toolcollapse.chat import render_text
+
+    prompt = render_text([task.prompt[-1]], add_generation_prompt=True)
+    return render_text([task.prompt[-1], task.reference[0]]).removeprefix(prompt).removesuffix("\n")
 
 
 def _cuda() -> bool:

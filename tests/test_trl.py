@@ -686,21 +686,25 @@ def test_bfcl_multi_turn_runs_in_trl_through_our_engine_its_later_user_turns_mas
 def test_the_trl_example_script_trains_with_the_monitor_runs_a_prs_phase_and_diagnose_reads_it(
         tmp_path, tiny_checkpoint, rollouts):
     """examples/trl_grpo.py end to end on the random tiny model: two GRPO steps (TRL's tool loop, or our
-    engine with an OPS row per group), the probe at both, a PRS phase on the failed tasks (every sampled
-    rollout of a random model fails), and `toolcollapse diagnose` on the output directory."""
+    engine with an OPS row per group and the config's SFT term), the probe at both, a PRS phase on the failed
+    tasks (every sampled rollout of a random model fails), a TRL checkpoint a step and the final model saved,
+    and `toolcollapse diagnose` on the output directory."""
     out = tmp_path / "out"
     sets = ["world.n_train=2000", "world.n_test=200", "world.n_ood=150", "grpo.prompts_per_step=2",
             "grpo.group_size=2", "monitor.probe_size=4", "monitor.probe_every=1", "rollout.max_turns=2",
             "rollout.max_new_tokens=16"]
     cmd = [sys.executable, "examples/trl_grpo.py", "--checkpoint", str(tiny_checkpoint), "--config",
            "configs/tiny_rl.yaml", *[a for s in sets for a in ("--set", s)], "--steps", "2", "--rounds", "1",
-           "--prs", "reflection", "--out", str(out), "--rollouts", rollouts,
-           *(["--ops", "1"] if rollouts == "engine" else [])]
+           "--prs", "reflection", "--out", str(out), "--rollouts", rollouts, "--save-steps", "1",
+           *(["--ops", "1", "--set", "supervision.sft_coef=0.5"] if rollouts == "engine" else [])]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (out / "checkpoint-1").is_dir() and (out / "model.safetensors").is_file()  # --save-steps, the final save
     monitored = [json.loads(line) for line in (out / "monitor.jsonl").read_text().splitlines()]
     assert sorted({r["step"] for r in monitored if "probe/im_end/miss_required" in r}) == [0, 1]
     assert {r["step"] for r in monitored if "healthy_rate" in r} == {0, 1}
+    if rollouts == "engine":  # the config's SFT term, honoured
+        assert any(r.get("sup/sft_tokens", 0) > 0 for r in monitored), sorted({k for r in monitored for k in r})
     (phase,) = [json.loads(line) for line in (out / "phases.jsonl").read_text().splitlines()]
     assert phase["tasks"] == 4 and phase["phase/prs_examples"] == 4 and phase["phase/steps"] == 2
     diagnose = subprocess.run([sys.executable, "-m", "toolcollapse", "diagnose", str(out)], cwd=ROOT,
@@ -782,3 +786,15 @@ def test_engine_rollouts_refuses_a_training_set_with_rows_it_does_not_know_befor
     with pytest.raises(ValueError, match="4 rows of the training dataset are none of the tasks"):
         trainer.train()
     assert generated == [4]  # the first batch's own rows were all known: the check was on the whole dataset
+
+
+@pytest.mark.parametrize("setting", ["supervision.adaptive.enabled=true", "supervision.hbg.enabled=true"])
+def test_the_trl_example_refuses_a_signal_it_cannot_run_before_loading_the_model(tmp_path, setting):
+    """The config's supervision is honoured or refused: the adaptive schedule runs in `toolcollapse rl` only,
+    HBG's hinted rows need our engine (TRL's tool loop has no place for them)."""
+    cmd = [sys.executable, "examples/trl_grpo.py", "--checkpoint", str(tmp_path / "none"), "--config",
+           "configs/tiny_rl.yaml", "--set", setting, "--out", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert ("toolcollapse rl" if "adaptive" in setting else "--rollouts engine") in proc.stderr
+    assert not (tmp_path / "out").exists()
