@@ -59,6 +59,9 @@ def main() -> None:
     ap.add_argument("--save-steps", type=int, default=0, help="save a TRL checkpoint every N steps into --out "
                     "(0: none; the final model is saved to --out either way)")
     ap.add_argument("--logging-steps", type=int, default=1, help="TRL's logging_steps")
+    ap.add_argument("--probe-data", help="build the monitor's probe from these JSON-lines chat conversations "
+                    "(e.g. examples/data/conversations.jsonl; `toolcollapse probe FILE --tokenizer DIR` shows what it "
+                    "watches) instead of the tool world's oracle")
     ap.add_argument("--vllm", choices=("off", "colocate", "server"), default="off",
                     help="TRL's vLLM generation (tool loop only; server: start `VLLM_SERVER_DEV_MODE=1 vllm serve "
                          "CHECKPOINT` first, see docs/TRL.md)")
@@ -128,7 +131,8 @@ def main() -> None:
         logging_steps=args.logging_steps, save_strategy="steps" if args.save_steps else "no",
         save_steps=args.save_steps or 500, report_to=args.report_to, bf16=args.bf16, use_cpu=not _cuda(),
         gradient_checkpointing=False, use_vllm=args.vllm != "off", vllm_mode="colocate" if args.vllm == "off" else args.vllm)
-    monitor = ControlTokenCallback.for_tool_world(cfg, tokenizer)
+    monitor = (ControlTokenCallback.from_conversations(args.probe_data, cfg, tokenizer) if args.probe_data
+               else ControlTokenCallback.for_tool_world(cfg, tokenizer))
 
     def make_grpo(round_: int = 0) -> MonitoredGRPOTrainer:
         part = data.select(range(round_ * per_round, (round_ + 1) * per_round))  # each round its own tasks

@@ -1,4 +1,4 @@
-"""Command line: `toolcollapse sft | eval | rl | sweep | study | report | diagnose | world`.
+"""Command line: `toolcollapse sft | eval | rl | sweep | study | report | diagnose | probe | world`.
 
 The CLI only parses arguments, builds the validated config and calls one library
 function; a bad config or a missing path exits with status 2 before any work.
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from toolcollapse.config import SPLITS, ConfigError, RunConfig, load_config
+from toolcollapse.config import SPLITS, ConfigError, MonitorConfig, RunConfig, load_config
 from toolcollapse.runtime import NotTextError
 
 
@@ -93,6 +93,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
     p.add_argument("--baseline-warmup", type=int, default=None,
                    help="warm-up (observations) of the detectors on the baseline series (default 5)")
+
+    p = sub.add_parser("probe", help="what the monitor's probe set would watch in your own conversations",
+                       description="Takes JSON-lines chat conversations ({\"messages\": [...]}, assistant "
+                       "tool_calls and tool messages; toolcollapse.conversations) and the policy's tokenizer; "
+                       "prints the probe's positions per slot and content kind (the alarms' inputs). Writes "
+                       "nothing. examples/trl_grpo.py --probe-data FILE builds the same probe.")
+    p.add_argument("conversations", help="a JSON-lines file of conversations")
+    p.add_argument("--tokenizer", required=True, help="the policy's tokenizer directory (a checkpoint)")
+    p.add_argument("--size", type=int, default=MonitorConfig.probe_size,
+                   help=f"conversations in the probe (monitor.probe_size, default {MonitorConfig.probe_size})")
 
     p = sub.add_parser("world", help="describe the environment and replay its oracle trajectories")
     p.add_argument("--show", type=int, default=1, help="print N example tasks of each split")
@@ -219,6 +229,27 @@ def _diagnose(args: argparse.Namespace) -> int:
     return 0
 
 
+def _probe(args: argparse.Namespace) -> int:
+    from toolcollapse.chat import CONTROL_TAGS
+    from toolcollapse.conversations import conversation_probe, describe_probe, read_conversations
+    from toolcollapse.model import load_tokenizer
+
+    if not Path(args.tokenizer).is_dir():
+        raise ConfigError(f"tokenizer directory not found: {args.tokenizer}")
+    conversations = read_conversations(args.conversations)
+    tokenizer = load_tokenizer(args.tokenizer)
+    missing = [t for t in CONTROL_TAGS if t not in tokenizer.get_vocab()]
+    if missing:  # as ready_for_chatml adds them to the policy (here to the tokenizer alone: nothing is saved)
+        tokenizer.add_special_tokens({"additional_special_tokens": missing}, replace_extra_special_tokens=False)
+        print(f"the tokenizer lacks {' '.join(missing)}: added here as ready_for_chatml would add them to the policy")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    probe = conversation_probe(conversations, tokenizer, MonitorConfig(probe_size=args.size))
+    print(f"{args.conversations}: {len(conversations)} conversations")
+    print("\n".join(describe_probe(probe)))
+    return 0
+
+
 def _with_backend(args: argparse.Namespace) -> list[str]:
     return list(args.overrides) + ([f"backend={args.backend}"] if args.backend else [])
 
@@ -310,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
-        work = (lambda: _diagnose(args)) if args.command == "diagnose" else _prepare(args)
+        work = {"diagnose": lambda: _diagnose(args), "probe": lambda: _probe(args)}.get(args.command) or _prepare(args)
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars on every checkpoint

@@ -336,6 +336,16 @@ class ControlTokenCallback(TrainerCallback):
         probe, token_ids = probe_for(cfg, make_env(cfg), tokenizer)
         return cls(probe, token_ids, cfg.monitor, cfg.rollout.temperature)
 
+    @classmethod
+    def from_conversations(cls, path: str | Path, cfg: RunConfig, tokenizer: Any) -> ControlTokenCallback:
+        """The probe built from one's own data: the first `monitor.probe_size` conversations of a JSON-lines
+        file (`toolcollapse.conversations`; `toolcollapse probe FILE` shows what it watches)."""
+        from toolcollapse.conversations import conversation_probe, read_conversations
+
+        probe = conversation_probe(read_conversations(path), tokenizer, cfg.monitor, cfg.rollout.call_end)
+        return cls(probe, resolve_token_ids(tokenizer, cfg.monitor.control_tokens), cfg.monitor,
+                   cfg.rollout.temperature)
+
     def attach(self, trainer: Any) -> ControlTokenCallback:
         """Register with `trainer`, first among its callbacks, so the series reach the trainer's own
         log history and every reporter (TensorBoard, W&B) on the same log line."""
