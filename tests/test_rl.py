@@ -346,7 +346,7 @@ def test_a_new_run_replaces_an_old_one_only_with_overwrite_and_resume_keeps_its_
     run_rl(cfg, run, overwrite=True)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
     assert [r["step"] for r in _metrics(run)] == [0, 1]
-    with pytest.raises(ConfigError, match=r"another config \(grpo\.lr"):
+    with pytest.raises(ConfigError, match=r"another config than the one it would resume with \(grpo\.lr: 0\.001 -> 0\.5\)"):
         run_rl(load_config(run / "config.yaml", ["grpo.lr=0.5"]), run, resume=True)
 
 

@@ -14,8 +14,9 @@ SMALL = {"world.n_train": 64, "world.n_test": 8, "world.n_ood": 8}
 
 
 def _files(root):
+    """Every file's hash, but the report's and the locks' (a lock holds its holder's pid)."""
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and "report" not in p.parts}
+            for p in sorted(root.rglob("*")) if p.is_file() and "report" not in p.parts and p.suffix != ".lock"}
 
 
 def _sft_file(tmp_path, name="sft.yaml", steps=2):
