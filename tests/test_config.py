@@ -132,6 +132,10 @@ def test_a_key_written_twice_in_one_mapping_is_refused_with_both_lines(tmp_path)
     path.write_text("base: configs/tiny.yaml\nsft:\n  lr: 1.0e-3\n  steps: 3\n  lr: 2.0e-3\n")
     with pytest.raises(ConfigError, match=r"the key 'lr' appears twice in one mapping \(lines 3 and 5\)"):
         load_config(path)
+    proc = subprocess.run([sys.executable, "-m", "toolcollapse.cli", "sft", "--config", str(path), "--out",
+                           str(tmp_path / "out")], capture_output=True, text=True)
+    assert proc.returncode == 2 and "appears twice" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()  # before any work
     path.write_text("base: configs/tiny.yaml\nsft:\n  lr: 1.0e-3\n")  # a key that overrides the base: not a duplicate
     assert load_config(path).sft.lr == 1e-3
 

@@ -80,3 +80,11 @@ def test_a_checkpoint_without_tokenizer_files_names_them(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(CheckpointError, match=r"no tokenizer there \(tokenizer.json / tokenizer.model"):
         load_tokenizer(tmp_path)
+
+
+def test_eval_of_a_checkpoint_without_its_tokenizer_exits_2_naming_the_files(tmp_path, tiny_model):
+    tiny_model.save_pretrained(tmp_path / "ckpt")  # weights and config, no tokenizer files
+    proc = subprocess.run([sys.executable, "-m", "toolcollapse.cli", "eval", str(tmp_path / "ckpt"), "--n", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "no tokenizer there (tokenizer.json / tokenizer.model" in proc.stderr
