@@ -27,7 +27,8 @@ task's ground-truth first turn), unlikelihood, OPS and HBG rows (`--rollouts eng
 override); the adaptive schedule and `sft_only` are refused (they run in `toolcollapse rl`). The control
 tags a checkpoint lacks (Qwen2.5 and Llama 3 have no `<tool_response>` tokens) are added first
 (`ready_for_chatml`), and the final model and tokenizer are saved to `--out`; `--save-steps`,
-`--logging-steps` and `--report-to` (TensorBoard, W&B, trackio) are TRL's own.
+`--logging-steps` and `--report-to` (TensorBoard, W&B, trackio) are TRL's own. `--set model.lora.rank=16`
+trains LoRA adapters (peft; `model.lora.*`), merged into the final save.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def main() -> None:
                                                tool_world_reward, train_interleaved)
     from toolcollapse.model import load_model, load_tokenizer
     from toolcollapse.rl import task_order
-    from toolcollapse.sources import ready_for_chatml
+    from toolcollapse.sources import apply_lora, merged, ready_for_chatml, token_ids
 
     own = Path(args.checkpoint) / "toolcollapse.yaml"
     config = args.config or (own if own.is_file() else "configs/tiny_rl.yaml")
@@ -103,6 +104,9 @@ def main() -> None:
     added, notes = ready_for_chatml(model, tokenizer)  # a Qwen or Llama checkpoint lacks some of our tags
     for line in ([f"added control tokens: {' '.join(added)}"] if added else []) + notes:
         print(line)
+    if cfg.model.lora.rank:  # model.lora.*: LoRA adapters (peft), plus the added tags' embedding rows
+        model = apply_lora(model, cfg.model.lora, token_ids(tokenizer, added))
+        print(f"LoRA rank {cfg.model.lora.rank} on {', '.join(cfg.model.lora.targets)}")
     g = cfg.grpo
     per_round = steps * g.prompts_per_step * PartialState().num_processes  # every process its own prompts
     order = task_order(env.tasks(g.split), cfg.seed)  # rl's order, cycled as rl cycles it; TRL keeps it (no shuffle)
@@ -155,7 +159,7 @@ def main() -> None:
                                                  call_end=cfg.rollout.call_end))
         for p in phases:
             print(p)
-    model.save_pretrained(args.out)
+    merged(model).save_pretrained(args.out)  # LoRA adapters merged: `toolcollapse eval` reads it as any model
     tokenizer.save_pretrained(args.out)
     print(f"alarms: {len(monitor.alarms)}; toolcollapse diagnose {args.out}")
 

@@ -686,8 +686,8 @@ def test_bfcl_multi_turn_runs_in_trl_through_our_engine_its_later_user_turns_mas
 def test_the_trl_example_script_trains_with_the_monitor_runs_a_prs_phase_and_diagnose_reads_it(
         tmp_path, tiny_checkpoint, rollouts):
     """examples/trl_grpo.py end to end on the random tiny model: two GRPO steps (TRL's tool loop, or our
-    engine with an OPS row per group and the config's SFT term), the probe at both (in the tool loop built
-    from the shipped conversations file, as from one's own data), a PRS phase on the failed
+    engine with an OPS row per group and the config's SFT term; in the tool loop LoRA adapters and the probe
+    built from the shipped conversations file, as from one's own data), the probe at both, a PRS phase on the failed
     tasks (every sampled rollout of a random model fails), a TRL checkpoint a step and the final model saved,
     and `toolcollapse diagnose` on the output directory."""
     out = tmp_path / "out"
@@ -698,10 +698,14 @@ def test_the_trl_example_script_trains_with_the_monitor_runs_a_prs_phase_and_dia
            "configs/tiny_rl.yaml", *[a for s in sets for a in ("--set", s)], "--steps", "2", "--rounds", "1",
            "--prs", "reflection", "--out", str(out), "--rollouts", rollouts, "--save-steps", "1",
            *(["--ops", "1", "--set", "supervision.sft_coef=0.5"] if rollouts == "engine"
-             else ["--probe-data", str(ROOT / "examples" / "data" / "conversations.jsonl")])]
+             else ["--probe-data", str(ROOT / "examples" / "data" / "conversations.jsonl"),
+                   "--set", "model.lora.rank=4"])]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (out / "checkpoint-1").is_dir() and (out / "model.safetensors").is_file()  # --save-steps, the final save
+    # LoRA in the tool loop: TRL's checkpoint holds the adapters, the final save the merged model
+    assert (out / "checkpoint-1" / "adapter_config.json").is_file() == (rollouts == "tool_loop")
+    assert not (out / "adapter_config.json").exists()
     monitored = [json.loads(line) for line in (out / "monitor.jsonl").read_text().splitlines()]
     assert sorted({r["step"] for r in monitored if "probe/im_end/miss_required" in r}) == [0, 1]
     assert {r["step"] for r in monitored if "healthy_rate" in r} == {0, 1}

@@ -861,7 +861,6 @@ def speak_toolcollapse_chat(tokenizer: Any, model: Any, call_end: str = "templat
     it with an error and goes on), an unknown tool gets TRL's error text, arguments are typed by the tool's
     schema before the call (transformers >= 5.15), and no turn has a token cap of its own -- for our exact
     rollouts inside TRL, `engine_rollouts`. vLLM generation takes its end tokens elsewhere: refused."""
-    from transformers import PreTrainedModel
     from trl.chat_template_utils import _SUPPORTS_RESPONSE_TEMPLATE, qwen3_schema, qwen3_template
 
     from toolcollapse.chat import CHAT_TEMPLATE, IM_END, stop_tags
@@ -873,7 +872,7 @@ def speak_toolcollapse_chat(tokenizer: Any, model: Any, call_end: str = "templat
     if use_vllm:
         raise ValueError("a toolcollapse chat model in TRL's tool loop with vLLM generation: not supported yet (vLLM "
                          "would not stop at </tool_call>); generate with transformers, or use engine_rollouts")
-    if not isinstance(model, PreTrainedModel):
+    if getattr(model, "generation_config", None) is None:  # a path; a PreTrainedModel or a PeftModel has one
         raise ValueError("a toolcollapse chat model in TRL's tool loop: pass the model object "
                          "(toolcollapse.model.load_model(path)), not a path, so its stop tokens can be set")
     if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
