@@ -5,6 +5,8 @@ environments (the tool world, BFCL multi-turn): a complete script, on a laptop C
     # CPU, minutes: the default tiny checkpoint (toolcollapse sft --config configs/tiny.yaml) in TRL's own
     # multi-turn tool loop, the probe every 3 steps (monitor.probe_every), alarms -> <out>/alarms.jsonl
     python examples/trl_grpo.py --checkpoint runs/tiny/sft --out runs/trl/tiny --steps 20
+    # your own data: JSON-lines chat conversations, their first turns as targets, the probe built from them
+    python examples/trl_grpo.py --checkpoint runs/tiny/sft --out runs/trl/mine --data examples/data/conversations.jsonl
     # our rollout engine inside TRL (rollout_func), one OPS row per group (the ground truth, replayed)
     python examples/trl_grpo.py --checkpoint runs/tiny/sft --out runs/trl/ops --rollouts engine --ops 1
     # ETS/PRS: GRPO rounds and SFTTrainer phases on the failed tasks, with PRS's reflections
@@ -60,6 +62,10 @@ def main() -> None:
     ap.add_argument("--save-steps", type=int, default=0, help="save a TRL checkpoint every N steps into --out "
                     "(0: none; the final model is saved to --out either way)")
     ap.add_argument("--logging-steps", type=int, default=1, help="TRL's logging_steps")
+    ap.add_argument("--data", help="train on your own JSON-lines chat conversations instead of an environment: "
+                    "each one's first assistant turn is the target, rewarded 1 when a completion makes the same call "
+                    "or gives the same answer (toolcollapse.conversations.first_turn_reward); the probe is built from "
+                    "them too (unless --probe-data)")
     ap.add_argument("--probe-data", help="build the monitor's probe from these JSON-lines chat conversations "
                     "(e.g. examples/data/conversations.jsonl; `toolcollapse probe FILE --tokenizer DIR` shows what it "
                     "watches) instead of the tool world's oracle")
@@ -69,14 +75,16 @@ def main() -> None:
     args = ap.parse_args()
 
     from accelerate import PartialState
+    from datasets import Dataset
     from trl import GRPOConfig, SFTConfig, SFTTrainer
 
     from toolcollapse.chat import CHAT_TEMPLATE
     from toolcollapse.config import load_config
+    from toolcollapse.conversations import first_turn_reward, read_conversations, reference_rows
     from toolcollapse.envs import make_env
     from toolcollapse.integrations.trl import (ControlTokenCallback, MonitoredGRPOTrainer, engine_rollouts,
-                                               episode_success, rl_phase_data, task_rows, tool_world_environment,
-                                               tool_world_reward, train_interleaved)
+                                               episode_success, rl_phase_data, speak_toolcollapse_chat, task_rows,
+                                               tool_world_environment, tool_world_reward, train_interleaved)
     from toolcollapse.model import load_model, load_tokenizer
     from toolcollapse.rl import task_order
     from toolcollapse.sources import apply_lora, merged, ready_for_chatml, token_ids
@@ -95,9 +103,13 @@ def main() -> None:
     window = args.window or (s.ets.window if s.ets.enabled else steps)
     prs = args.prs or (s.prs.target if s.prs.enabled else "none")
     env = make_env(cfg)
+    if args.data and (args.rollouts == "engine" or ops or hbg or rounds):
+        ap.error("--data (your own conversations) trains their first turns through TRL's generation: no engine "
+                 "rollouts, OPS, HBG or ETS/PRS rounds (they replay an environment's tasks); the SFT term and "
+                 "unlikelihood work")
     if args.vllm != "off" and args.rollouts == "engine":
         ap.error("--vllm with --rollouts engine: our engine generates with the trained model itself, not vLLM")
-    if args.rollouts == "tool_loop" and (cfg.env != "toolworld" or ops or hbg):
+    if not args.data and args.rollouts == "tool_loop" and (cfg.env != "toolworld" or ops or hbg):
         ap.error("BFCL, OPS and HBG need --rollouts engine (TRL's tool loop ends a rollout at the first reply without "
                  "a call, and has no place for a replayed ground truth or a hinted prompt)")
     tokenizer, model = load_tokenizer(args.checkpoint), load_model(args.checkpoint)
@@ -111,7 +123,12 @@ def main() -> None:
     per_round = steps * g.prompts_per_step * PartialState().num_processes  # every process its own prompts
     order = task_order(env.tasks(g.split), cfg.seed)  # rl's order, cycled as rl cycles it; TRL keeps it (no shuffle)
     tasks = [order[i % len(order)] for i in range(per_round * max(1, rounds))]
-    if args.rollouts == "engine":
+    if args.data:  # your own conversations: prompts and their ground-truth first turns, cycled
+        mine = reference_rows(read_conversations(args.data))
+        data = Dataset.from_list([mine[i % len(mine)] for i in range(per_round)])
+        speak_toolcollapse_chat(tokenizer, model, cfg.rollout.call_end)  # our models: stop at </tool_call> too
+        rollout = dict(reward_funcs=first_turn_reward(tokenizer, cfg.rollout.call_end))
+    elif args.rollouts == "engine":
         data = task_rows(tasks)
         rollout = dict(reward_funcs=episode_success, rollout_func=engine_rollouts(cfg, tokenizer, tasks=tasks),
                        ops=ops, ops_shaping=s.ops.shaping, luffy_gamma=s.ops.gamma, hbg=hbg)
@@ -121,7 +138,7 @@ def main() -> None:
                        call_end=cfg.rollout.call_end)
     # one generation of prompts_per_step x G rollouts a process, trained in micro-batches of grpo.micro_batch_size
     # rows, one optimizer step (as rl): TRL generates per_device x steps_per_generation (= accumulation) rows at once
-    if s.sft_coef:  # the SFT term: each prompt's ground-truth first turn, as the policy writes it after the prompt
+    if s.sft_coef and not args.data:  # the SFT term: each prompt's ground-truth first turn, as the policy writes it
         data = data.add_column("reference", [first_turn_text(t) for t in tasks])
     rows = g.prompts_per_step * g.group_size
     micro = g.micro_batch_size if rows % g.micro_batch_size == 0 else rows
@@ -135,13 +152,15 @@ def main() -> None:
         logging_steps=args.logging_steps, save_strategy="steps" if args.save_steps else "no",
         save_steps=args.save_steps or 500, report_to=args.report_to, bf16=args.bf16, use_cpu=not _cuda(),
         gradient_checkpointing=False, use_vllm=args.vllm != "off", vllm_mode="colocate" if args.vllm == "off" else args.vllm)
-    monitor = (ControlTokenCallback.from_conversations(args.probe_data, cfg, tokenizer) if args.probe_data
+    probe_data = args.probe_data or args.data
+    monitor = (ControlTokenCallback.from_conversations(probe_data, cfg, tokenizer) if probe_data
                else ControlTokenCallback.for_tool_world(cfg, tokenizer))
 
     def make_grpo(round_: int = 0) -> MonitoredGRPOTrainer:
         part = data.select(range(round_ * per_round, (round_ + 1) * per_round))  # each round its own tasks
         return MonitoredGRPOTrainer(model=model, args=grpo_args, train_dataset=part, processing_class=tokenizer,
-                                    monitor=monitor, tool_specs=env.tool_table if cfg.env == "toolworld" else None,
+                                    monitor=monitor,
+                                    tool_specs=env.tool_table if cfg.env == "toolworld" and not args.data else None,
                                     sft_coef=s.sft_coef, unlikelihood_coef=s.unlikelihood_coef, **rollout)
 
     if not rounds:

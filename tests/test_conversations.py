@@ -103,3 +103,21 @@ def test_toolcollapse_probe_reads_the_shipped_conversations_with_a_tokenizer_tha
     bad = subprocess.run([sys.executable, "-m", "toolcollapse", "probe", str(tmp_path / "missing.jsonl"),
                           "--tokenizer", str(tok)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "missing.jsonl" in bad.stderr
+
+
+def test_first_turn_reward_pays_the_reference_call_or_answer_and_nothing_else(tokenizer):
+    from toolcollapse.conversations import first_turn_reward
+
+    reward = first_turn_reward(tokenizer)
+    (row,) = reference_rows(read_conversations(SHIPPED)[:1])
+    call = row["reference"]  # '<tool_call>\n{"name": "kb_lookup", ...}\n</tool_call><|im_end|>'
+    wrong = call.replace('"attribute": "', '"attribute": "x')
+    answer, other = "The answer is 7.<|im_end|>", "The answer is 8.<|im_end|>"
+
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    completions = [call, call.removesuffix("<|im_end|>"), wrong, "<tool_call>\n{oops\n</tool_call>", answer, other]
+    references = [call, call, call, call, answer, answer]
+    assert reward(completion_ids=[ids(c) for c in completions], reference=references,
+                  completions=["tags dropped"] * 6) == [1.0, 1.0, 0.0, 0.0, 1.0, 0.0]

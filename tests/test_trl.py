@@ -804,3 +804,24 @@ def test_the_trl_example_refuses_a_signal_it_cannot_run_before_loading_the_model
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert ("toolcollapse rl" if "adaptive" in setting else "--rollouts engine") in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_the_trl_example_trains_on_one_s_own_conversations(tmp_path, tiny_checkpoint):
+    """`--data`: the shipped conversations' first turns as targets (first_turn_reward), the probe built from
+    them, the config's SFT term on their ground truth; what needs an environment is refused."""
+    data = ROOT / "examples" / "data" / "conversations.jsonl"
+    out = tmp_path / "out"
+    sets = ["grpo.prompts_per_step=2", "grpo.group_size=2", "monitor.probe_size=4", "monitor.probe_every=1",
+            "rollout.max_new_tokens=16", "supervision.sft_coef=0.5"]
+    cmd = [sys.executable, "examples/trl_grpo.py", "--checkpoint", str(tiny_checkpoint), "--config",
+           "configs/tiny_rl.yaml", *[a for s in sets for a in ("--set", s)], "--steps", "2", "--data", str(data),
+           "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    monitored = [json.loads(line) for line in (out / "monitor.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in monitored if "probe/content/tool_name/logp" in r}) == [0, 1]
+    assert any(r.get("sup/sft_tokens", 0) > 0 for r in monitored)
+    refused = subprocess.run([*cmd[:-2], "--out", str(tmp_path / "no"), "--ops", "1"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "--data" in refused.stderr and not (tmp_path / "no").exists()

@@ -6,7 +6,7 @@ A line is `{"messages": [...]}` (or the list of messages itself): `system` / `us
 "function": {"name", "arguments"}}`, `arguments` an object or its JSON string); `tool` messages with the
 tool's reply as `content`. Our chat format has one call a turn: an assistant message with several calls is
 refused, naming the line. `toolcollapse probe FILE --tokenizer DIR` reads a file and says what the probe
-would watch.
+would watch; `examples/trl_grpo.py --data FILE` trains GRPO on the prompts with `first_turn_reward`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from toolcollapse.chat import CONTROL_TAGS, PieceEncoder, render_text
 from toolcollapse.config import ConfigError, MonitorConfig
 from toolcollapse.monitor import (CONTENT_NAMES, NO_CONTENT, SLOT_NAMES, ProbeSet, build_probe, content_labels,
                                   resolve_token_ids)
-from toolcollapse.records import Message, ToolCall
+from toolcollapse.parser import parse_turn
+from toolcollapse.records import Message, ToolCall, TurnState
 from toolcollapse.runtime import jsonl_lines
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -96,6 +97,25 @@ def reference_rows(conversations: Sequence[Sequence[Message]]) -> list[dict[str,
         turn = render_text([*prompt, conversation[first]]).removeprefix(before).removesuffix("\n")
         rows.append({"prompt": [m.to_hf() for m in prompt], "reference": turn})
     return rows
+
+
+def first_turn_reward(tokenizer: Any, call_end: str = "template") -> Any:
+    """A TRL reward function for one's own data (`reference_rows`): 1.0 when a completion is a healthy turn that
+    makes the reference turn's call (the same tool and arguments) or gives its answer (the same text), else 0.0.
+    It reads TRL's `completion_ids` (the completion text TRL passes has lost the control tags) and parses them
+    with the four-state parser."""
+
+    def first_turn(completion_ids: Sequence[Sequence[int]], reference: Sequence[str], **_: Any) -> list[float]:
+        out = []
+        for ids, ref in zip(completion_ids, reference):
+            got = parse_turn(tokenizer.decode(list(ids), skip_special_tokens=False), None, call_end)
+            want = parse_turn(ref, None, call_end)
+            same = got.call == want.call if want.call is not None else (
+                got.call is None and got.text.strip() == want.text.strip())
+            out.append(float(same and got.state in (TurnState.HEALTHY_CALL, TurnState.HEALTHY_RESPONSE)))
+        return out
+
+    return first_turn
 
 
 def describe_probe(probe: ProbeSet) -> list[str]:
