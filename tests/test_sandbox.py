@@ -207,3 +207,31 @@ def test_a_stopped_bfcl_call_changes_nothing_and_the_check_does_not_run_it_again
     assert model_turns[0][1] is STOPPED and model_turns[0][0].name == "cd"  # the stopped call runs nothing
     assert len(model_turns) == task.meta["n_turns"]
     assert not state.extra["bfcl"].verdict.error_type.startswith("toolcollapse")  # BFCL's own verdict
+
+
+def test_the_tool_loop_ends_when_its_parent_is_gone_though_the_socket_stays_open():
+    """Where no PR_SET_PDEATHSIG ends the child and another process keeps the socket open (no EOF), the loop
+    itself sees the parent gone (its pid no longer the parent's) within a second or two; while the parent
+    lives it keeps waiting."""
+    import os
+    import threading
+    from multiprocessing import Pipe
+
+    from toolcollapse.sandbox import _serve
+
+    ours, theirs = Pipe()
+    orphan = threading.Thread(target=_serve, args=(theirs, os.getppid() + 1_000_000), daemon=True)  # not its parent
+    orphan.start()
+    assert ours.recv() == (True, "ready")
+    orphan.join(5)
+    assert not orphan.is_alive()  # the socket is still open: it ended on the parent check
+
+    ours, theirs = Pipe()
+    child = threading.Thread(target=_serve, args=(theirs, os.getppid()), daemon=True)
+    child.start()
+    assert ours.recv() == (True, "ready")
+    child.join(2.5)
+    assert child.is_alive()  # the parent lives: it waits
+    ours.close()
+    child.join(5)
+    assert not child.is_alive()  # the parent's end closed: EOF

@@ -230,12 +230,16 @@ class _Unsendable(Exception):
     """A request that cannot be pickled (e.g. nested past the recursion limit): an error, no restart."""
 
 
-def _serve(conn: Connection) -> None:
-    """The child's loop: answer requests until the parent goes away."""
+def _serve(conn: Connection, parent: int) -> None:
+    """The child's loop: answer requests until the parent goes away (the socket's EOF, or, where another
+    process keeps the socket open, the parent's pid gone, checked every second)."""
     sessions: dict[int, Any] = {}
     conn.send((True, "ready"))
     while True:
         try:
+            while not conn.poll(1.0):
+                if os.getppid() != parent:
+                    return
             message = conn.recv()
         except (EOFError, OSError):
             return
@@ -261,7 +265,7 @@ def _serve(conn: Connection) -> None:
             conn.send((False, f"the tool's result cannot be sent back: {type(err).__name__}: {err}"))
 
 
-def _die_with_parent() -> None:
+def _die_with_parent() -> int:
     """Linux: the kernel sends this process SIGKILL when its parent dies, however it dies (the socket's EOF would
     end the loop too, but not while a call runs); then a check that the parent did not die before that."""
     import signal
@@ -277,13 +281,14 @@ def _die_with_parent() -> None:
             pass
     if os.getppid() != parent:  # it died before the request took effect
         os._exit(0)
+    return parent
 
 
 def main() -> None:
     import resource
     import signal
 
-    _die_with_parent()
+    parent = _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; EOF ends the child
     import importlib
 
@@ -291,7 +296,7 @@ def main() -> None:
         importlib.import_module(module)
     limit = int(os.environ.get("TOOLCOLLAPSE_SANDBOX_MEMORY_MB", "2048")) * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    _serve(Connection(int(sys.argv[1])))
+    _serve(Connection(int(sys.argv[1])), parent)
 
 
 if __name__ == "__main__":
