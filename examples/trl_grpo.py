@@ -100,6 +100,9 @@ def main() -> None:
     hbg = s.hbg.rows if s.hbg.enabled else 0
     steps = args.steps or (s.ets.every if s.ets.enabled and args.rounds is None else cfg.grpo.steps)
     rounds = args.rounds if args.rounds is not None else (cfg.grpo.steps // s.ets.every if s.ets.enabled else 0)
+    if s.ets.enabled and args.rounds is None and (rounds == 0 or cfg.grpo.steps % s.ets.every):
+        ap.error(f"supervision.ets: grpo.steps={cfg.grpo.steps} is not a whole number of rounds of "
+                 f"supervision.ets.every={s.ets.every} steps; change one, or give --rounds and --steps")
     window = args.window or (s.ets.window if s.ets.enabled else steps)
     prs = args.prs or (s.prs.target if s.prs.enabled else "none")
     env = make_env(cfg)
@@ -116,6 +119,15 @@ def main() -> None:
     added, notes = ready_for_chatml(model, tokenizer)  # a Qwen or Llama checkpoint lacks some of our tags
     for line in ([f"added control tokens: {' '.join(added)}"] if added else []) + notes:
         print(line)
+    if added and not cfg.model.lora.rank and cfg.grpo.kl_coef:
+        # TRL loads the KL reference from the policy's name_or_path: save the grown model and point there, or the
+        # reference would lack the added tags' rows (as `rl` grows its reference the same way)
+        grown = Path(args.out) / "init"
+        if PartialState().is_main_process:
+            model.save_pretrained(grown)
+            tokenizer.save_pretrained(grown)
+        PartialState().wait_for_everyone()
+        model.name_or_path = model.config._name_or_path = str(grown)
     if cfg.model.lora.rank:  # model.lora.*: LoRA adapters (peft), plus the added tags' embedding rows
         model = apply_lora(model, cfg.model.lora, token_ids(tokenizer, added))
         print(f"LoRA rank {cfg.model.lora.rank} on {', '.join(cfg.model.lora.targets)}")
@@ -126,7 +138,8 @@ def main() -> None:
     if args.data:  # your own conversations: prompts and their ground-truth first turns, cycled
         mine = reference_rows(read_conversations(args.data))
         data = Dataset.from_list([mine[i % len(mine)] for i in range(per_round)])
-        speak_toolcollapse_chat(tokenizer, model, cfg.rollout.call_end)  # our models: stop at </tool_call> too
+        speak_toolcollapse_chat(tokenizer, model, cfg.rollout.call_end,  # our models: stop at </tool_call> too
+                                use_vllm=args.vllm != "off")
         rollout = dict(reward_funcs=first_turn_reward(tokenizer, cfg.rollout.call_end))
     elif args.rollouts == "engine":
         data = task_rows(tasks)
@@ -178,8 +191,10 @@ def main() -> None:
                                                  call_end=cfg.rollout.call_end))
         for p in phases:
             print(p)
-    merged(model).save_pretrained(args.out)  # LoRA adapters merged: `toolcollapse eval` reads it as any model
-    tokenizer.save_pretrained(args.out)
+    PartialState().wait_for_everyone()
+    if PartialState().is_main_process:  # LoRA adapters merged: `toolcollapse eval` reads it as any model
+        merged(model).save_pretrained(args.out)
+        tokenizer.save_pretrained(args.out)
     print(f"alarms: {len(monitor.alarms)}; toolcollapse diagnose {args.out}")
 
 

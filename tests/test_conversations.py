@@ -64,6 +64,8 @@ def test_reference_rows_are_the_first_turn_as_the_policy_writes_it_after_the_pro
      '{"function": {"name": "b", "arguments": {}}}]}]}', "2 tool_calls in one message"),
     ('{"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "a", "arguments": "{oops"}}]}]}',
      "are not JSON"),
+    ('[{"role": "user", "content": "cut sh', "not JSON"),
+    ('{"messages": [{"role": "assistant", "tool_calls": {"function": {"name": "a"}}}]}', "should be a list"),
 ])
 def test_a_line_that_is_not_a_usable_conversation_is_named(tmp_path, line, says):
     path = tmp_path / "bad.jsonl"

@@ -825,3 +825,31 @@ def test_the_trl_example_trains_on_one_s_own_conversations(tmp_path, tiny_checkp
     refused = subprocess.run([*cmd[:-2], "--out", str(tmp_path / "no"), "--ops", "1"], cwd=ROOT,
                              capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "--data" in refused.stderr and not (tmp_path / "no").exists()
+
+
+@pytest.mark.slow
+def test_the_trl_example_grows_the_kl_reference_with_the_tags_it_adds(tmp_path):
+    """A checkpoint whose tokenizer lacks the tool tags (as Qwen2.5's or Llama 3's lacks some): the example adds
+    them to the policy, and TRL's KL reference, which it loads from the policy's name_or_path, must have them
+    too (else the new ids index past the reference's embedding)."""
+    from test_conversations import _tokenizer_without_tags
+
+    from toolcollapse.model import build_model
+
+    ckpt = _tokenizer_without_tags(tmp_path / "ckpt")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    build_model("tiny", len(tok), 2048, tok.pad_token_id, tok.eos_token_id, seed=0).save_pretrained(ckpt)
+    sets = ["world.n_train=2000", "world.n_test=200", "world.n_ood=150", "grpo.prompts_per_step=2",
+            "grpo.group_size=2", "grpo.kl_coef=0.001", "monitor.probe_size=4", "rollout.max_turns=2",
+            "rollout.max_new_tokens=8"]
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "examples/trl_grpo.py", "--checkpoint", str(ckpt), "--config",
+                           "configs/tiny_rl.yaml", *[a for s in sets for a in ("--set", s)], "--steps", "1",
+                           "--rollouts", "engine", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "added control tokens: <tool_call> </tool_call> <tool_response> </tool_response>" in proc.stdout
+    grown = AutoTokenizer.from_pretrained(out / "init")
+    assert len(grown) == len(tok) + 4 and (out / "init" / "model.safetensors").is_file()

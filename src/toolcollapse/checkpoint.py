@@ -65,6 +65,7 @@ def save_checkpoint(run_dir: Path, step: int, model: Any, tokenizer: Any, optimi
         partial.rename(path)
     _sync_dir(root)
     for old in complete_checkpoints(run_dir)[:-keep]:
+        (old / MARKER).unlink()  # first: a crash mid-delete leaves no complete-looking half
         shutil.rmtree(old)
     return path
 

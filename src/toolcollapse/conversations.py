@@ -36,7 +36,10 @@ def read_conversations(path: str | Path) -> list[list[Message]]:
         where = f"{path}:{number}"
         messages = record.get("messages") if isinstance(record, dict) else None
         if messages is None and line.lstrip().startswith("["):
-            messages = json.loads(line)
+            try:
+                messages = json.loads(line)
+            except (ValueError, RecursionError):
+                raise ConfigError(f"{where}: not JSON (a line cut short?)") from None
         if not isinstance(messages, list) or not messages:
             raise ConfigError(f"{where}: expected {{\"messages\": [...]}}, a non-empty list of chat messages")
         conversation = [_message(m, f"{where}, message {i}") for i, m in enumerate(messages)]
@@ -55,6 +58,8 @@ def _message(m: Any, where: str) -> Message:
     if not isinstance(content, str):
         raise ConfigError(f"{where}: content should be text, got {type(content).__name__}")
     calls = m.get("tool_calls") or []
+    if not isinstance(calls, list):
+        raise ConfigError(f"{where}: tool_calls should be a list, got {type(calls).__name__}")
     if m["role"] != "assistant" or not calls:
         return Message(m["role"], content)
     if len(calls) > 1:

@@ -58,7 +58,7 @@ from tqdm.auto import tqdm
 from toolcollapse.advantages import group_advantages
 from toolcollapse.alarms import Alarm, Watcher, run_rules
 from toolcollapse.chat import CONTROL_TAGS, PieceEncoder, generation_prompt
-from toolcollapse.checkpoint import clean_partial, complete_checkpoints, load_trainer_state, save_checkpoint
+from toolcollapse.checkpoint import MARKER, clean_partial, complete_checkpoints, load_trainer_state, save_checkpoint
 from toolcollapse.config import (ConfigError, RunConfig, checkpoint_problems, differences, dump_config, load_config,
                                  pool_problems, rl_problems)
 from toolcollapse.envs import make_env
@@ -637,6 +637,7 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
         save_at(0)  # a rollback target before the first periodic checkpoint
     model.train()
     interrupt = StopOnSignal("rl", os.environ.get(STOP_FILE_ENV))  # SIGTERM / SIGINT: stop after the step
+    halted = False
     try:
         for step in range(start, g.steps):
             t0 = time.time()
@@ -705,10 +706,11 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
                             informative=f"{metrics['frac_groups_informative']:.2f}", alarms=len(watcher.alarms),
                             **({"val": last_val} if val_tasks else {}), refresh=False)
             # after the step's row: a resumed run starts past it, without redoing its phase or recovery
+            halted = interrupt.requested and step + 1 < g.steps  # read once: the save and the break agree
             if (stop or ctx.saved or (step + 1) % g.checkpoint_every == 0 or step + 1 == g.steps or phase_tokens
-                    or ctx.events or "ets/steps" in metrics or interrupt.requested):
+                    or ctx.events or "ets/steps" in metrics or halted):
                 save_at(step + 1)
-            if stop or interrupt.requested:
+            if stop or halted:
                 break
     except Exception as err:  # a full disk or a directory made read-only surfaces as whatever the writer raises
         cause = storage_problem(run_dir, err)
@@ -719,7 +721,7 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
         interrupt.restore()
     bar.close()
     writer.close()
-    if interrupt.requested:
+    if halted:  # asked to stop before the last step (a request after it: the run is simply done)
         interrupt.exit(f"rl: stopped after step {step} with a checkpoint; continue with: toolcollapse rl --resume {run_dir}")
     return run_dir
 
@@ -734,6 +736,7 @@ def _rollback(run_dir: Path, step: int, model: Any, optimizer: torch.optim.Optim
     target = before[-1]
     for later in complete_checkpoints(run_dir):  # weights off the path from now on: never a later rollback's target
         if later.name > target.name:
+            (later / MARKER).unlink(missing_ok=True)  # a crash mid-delete leaves no complete-looking half
             shutil.rmtree(later)
     model.load_state_dict(load_model(target, trainable=True).state_dict())
     optimizer.load_state_dict(torch.load(target / "trainer.pt", map_location="cpu", weights_only=False)["optimizer"])
@@ -856,7 +859,8 @@ def check_run_start(cfg: RunConfig, run_dir: Path, resume: bool, overwrite: bool
     if refused:
         listing = "; ".join(f"{k}: {changed[k][0]!r} -> {changed[k][1]!r}" for k in refused)
         raise ConfigError(f"{run_dir} was saved with another config than the one it would resume with ({listing}); "
-                          f"restore it, or name the keys that may change: --allow-change {','.join(refused)}")
+                          f"restore it, or let them change: toolcollapse rl --resume {run_dir} --allow-change "
+                          f"{','.join(refused)}")
 
 
 class StorageError(ConfigError):

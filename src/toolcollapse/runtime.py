@@ -103,8 +103,11 @@ def lock_dir(path: str | Path, what: str) -> None:
         os.close(fd)
         raise ConfigError(f"{path} is in use by another {what} (pid {holder}, lock {lock}); wait for it to end, "
                           "or write to another directory") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:  # the holder's pid, for the message of a second job; a full disk leaves it out, not the lock
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError:
+        pass
     _HELD[lock] = fd
 
 

@@ -21,6 +21,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import signal
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -274,7 +275,11 @@ def run_sweep(sweep: SweepConfig, specs: list[RunSpec], on_done: Callable[[str],
     stopped = None
     # fresh interpreters (spawn, one run each): torch threads and RNG state do not leak across runs; a worker
     # killed outright (the OOM killer) breaks the pool, which raises here instead of waiting for it forever
-    with ProcessPoolExecutor(sweep.workers, mp_context=mp.get_context("spawn"), max_tasks_per_child=1) as pool:
+    # workers ignore Ctrl-C's SIGINT (sent to the whole process group): the stop file carries the request, and
+    # an idle worker killed by it would break the pool, which then SIGTERMs every run in flight (their second
+    # signal: no checkpoint); a run's own handler replaces SIG_IGN once its loop starts
+    with ProcessPoolExecutor(sweep.workers, mp_context=mp.get_context("spawn"), max_tasks_per_child=1,
+                             initializer=_ignore_sigint) as pool:
         pending = {pool.submit(_run_one, job) for job in jobs if job not in waiting}
         try:
             while pending:
@@ -382,6 +387,10 @@ def undecided_try(sweep: SweepConfig, spec: RunSpec) -> bool:
     base = base_name(spec.setting)
     tried = {s.base for s in expand(sweep.settings, sweep.seeds) if s.try_index is not None}
     return base in tried and base not in read_selection(sweep.out_dir)
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def start_eval_dir(sweep: SweepConfig) -> Path:
