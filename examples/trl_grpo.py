@@ -60,7 +60,8 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--report-to", default="none", help="TRL's report_to: none, tensorboard, wandb, trackio, all")
     ap.add_argument("--save-steps", type=int, default=0, help="save a TRL checkpoint every N steps into --out "
-                    "(0: none; the final model is saved to --out either way)")
+                    "(with ETS/PRS rounds: --out/round_<k>/checkpoint-N, each round's steps counted from 1; 0: none; "
+                    "the final model is saved to --out either way)")
     ap.add_argument("--logging-steps", type=int, default=1, help="TRL's logging_steps")
     ap.add_argument("--data", help="train on your own JSON-lines chat conversations instead of an environment: "
                     "each one's first assistant turn is the target, rewarded 1 when a completion makes the same call "

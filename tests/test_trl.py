@@ -691,28 +691,37 @@ def test_the_trl_example_script_trains_with_the_monitor_runs_a_prs_phase_and_dia
     tasks (every sampled rollout of a random model fails), a TRL checkpoint a step and the final model saved,
     and `toolcollapse diagnose` on the output directory."""
     out = tmp_path / "out"
+    # the engine in two rounds of one step (each round's TRL steps count from 1 again), the tool loop one of two
+    rounds = ["--steps", "1", "--rounds", "2"] if rollouts == "engine" else ["--steps", "2", "--rounds", "1"]
     sets = ["world.n_train=2000", "world.n_test=200", "world.n_ood=150", "grpo.prompts_per_step=2",
             "grpo.group_size=2", "monitor.probe_size=4", "monitor.probe_every=1", "rollout.max_turns=2",
             "rollout.max_new_tokens=16"]
     cmd = [sys.executable, "examples/trl_grpo.py", "--checkpoint", str(tiny_checkpoint), "--config",
-           "configs/tiny_rl.yaml", *[a for s in sets for a in ("--set", s)], "--steps", "2", "--rounds", "1",
+           "configs/tiny_rl.yaml", *[a for s in sets for a in ("--set", s)], *rounds,
            "--prs", "reflection", "--out", str(out), "--rollouts", rollouts, "--save-steps", "1",
            *(["--ops", "1", "--set", "supervision.sft_coef=0.5"] if rollouts == "engine"
              else ["--probe-data", str(ROOT / "examples" / "data" / "conversations.jsonl"),
                    "--set", "model.lora.rank=4"])]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert (out / "checkpoint-1").is_dir() and (out / "model.safetensors").is_file()  # --save-steps, the final save
+    assert (out / "model.safetensors").is_file()  # the final save
+    # --save-steps: each round's checkpoints in their own directory, none overwriting an earlier round's
+    checkpoints = sorted(str(p.relative_to(out)) for p in out.rglob("checkpoint-*"))
+    assert checkpoints == (["round_0/checkpoint-1", "round_1/checkpoint-1"] if rollouts == "engine"
+                           else ["checkpoint-1", "checkpoint-2"]), checkpoints
     # LoRA in the tool loop: TRL's checkpoint holds the adapters, the final save the merged model
-    assert (out / "checkpoint-1" / "adapter_config.json").is_file() == (rollouts == "tool_loop")
+    assert (out / checkpoints[0] / "adapter_config.json").is_file() == (rollouts == "tool_loop")
     assert not (out / "adapter_config.json").exists()
     monitored = [json.loads(line) for line in (out / "monitor.jsonl").read_text().splitlines()]
     assert sorted({r["step"] for r in monitored if "probe/im_end/miss_required" in r}) == [0, 1]
     assert {r["step"] for r in monitored if "healthy_rate" in r} == {0, 1}
     if rollouts == "engine":  # the config's SFT term, honoured
         assert any(r.get("sup/sft_tokens", 0) > 0 for r in monitored), sorted({k for r in monitored for k in r})
-    (phase,) = [json.loads(line) for line in (out / "phases.jsonl").read_text().splitlines()]
-    assert phase["tasks"] == 4 and phase["phase/prs_examples"] == 4 and phase["phase/steps"] == 2
+    phases = [json.loads(line) for line in (out / "phases.jsonl").read_text().splitlines()]
+    assert [p["step"] for p in phases] == ([1, 2] if rollouts == "engine" else [2])
+    for phase in phases:  # the failed tasks of the round's last step (window 1): its 2 prompts, or 4 over 2 steps
+        assert phase["tasks"] == phase["phase/prs_examples"] == (2 if rollouts == "engine" else 4)
+        assert phase["phase/steps"] >= 1
     diagnose = subprocess.run([sys.executable, "-m", "toolcollapse", "diagnose", str(out)], cwd=ROOT,
                               capture_output=True, text=True, timeout=300)
     assert diagnose.returncode == 0, diagnose.stderr[-3000:]

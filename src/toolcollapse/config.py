@@ -199,6 +199,7 @@ class SFTConfig(Checked):
     betas: tuple[Beta, Beta] = (0.9, 0.95)
     log_every: Count = 10
     val_every: Count = 200  # validation loss and per-kind accuracy on held-out oracle conversations
+    val_n: Count = 64  # how many: the first val_n of the held-out split (teacher-forced, one forward each)
     group_by_length: bool = False  # batches of similar lengths: 3 % padding instead of 29 %, but slower learning (LOG)
     # Copy warm-up (docs/LOG.md): phases before the main one on short examples without the ~650-token
     # system prompt, where a tiny model learns to copy names and numbers; then `steps` on full tasks.

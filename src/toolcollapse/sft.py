@@ -243,7 +243,7 @@ def run_sft(cfg: RunConfig, out_dir: str | Path | None = None, overwrite: bool =
     if cfg.env == "toolworld" and sft_tasks_read(cfg) > cfg.world.sft_pool:
         print(f"sft: note: this recipe reads the first {sft_tasks_read(cfg)} train tasks, past world.sft_pool="
               f"{cfg.world.sft_pool}: the val and rl tasks are among them, so RL on `rl` from it is refused")
-    val = encode_tasks(encoder, validation_tasks(env, 64), call_end)
+    val = encode_tasks(encoder, validation_tasks(env, sc.val_n), call_end)
     val_kinds = [token_kinds(e, tokenizer) for e in val]
     longest = max(len(x) for x, _ in train)
     if longest > cfg.model.max_seq_len:

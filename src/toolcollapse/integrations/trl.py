@@ -448,6 +448,9 @@ class MonitoredGRPOTrainer(GRPOTrainer):
         self.failures: list[dict[str, Any]] = []
         self.failure_window: int | None = None
         self.step_offset = 0  # steps of earlier trainers on this policy (`train_interleaved`'s rounds)
+        # where this trainer's checkpoint-N go under output_dir (None: output_dir itself); `train_interleaved`
+        # gives round k `round_<k>`, as each round's step count, which names them, starts over
+        self.checkpoint_subdir: str | None = None
         if ops_shaping not in ("luffy", "none"):
             raise ValueError(f"ops_shaping {ops_shaping!r}: luffy or none")
         if ops < 0 or hbg < 0 or ops + hbg >= self.num_generations:
@@ -469,6 +472,10 @@ class MonitoredGRPOTrainer(GRPOTrainer):
         self.monitor = monitor.attach(self) if monitor else None
         self._captured: tuple[torch.Tensor, torch.Tensor] | None = None
         self._capture = False
+
+    def _get_output_dir(self, trial: Any) -> str:  # transformers' hook for where checkpoints are saved and rotated
+        root = super()._get_output_dir(trial)
+        return root if self.checkpoint_subdir is None else str(Path(root) / self.checkpoint_subdir)
 
     def _get_tool_suffix_ids(self, tool_messages: list[dict[str, Any]]) -> list[int]:
         """What TRL appends after a tool-calling turn: a turn our model ended at `</tool_call>` still needs
@@ -712,6 +719,8 @@ def train_interleaved(make_grpo: Any, make_sft: Any, rounds: int, window: int,
     for round_ in range(rounds):
         grpo = make_grpo(round_)
         grpo.step_offset, grpo.failure_window = offset, window
+        if rounds > 1 and hasattr(grpo, "checkpoint_subdir"):  # checkpoint-N of one round kept from the next's
+            grpo.checkpoint_subdir = f"round_{round_}"
         if grpo.monitor is not None:
             grpo.monitor.step_offset = offset
         output_dir = Path(output_dir or grpo.args.output_dir)
