@@ -36,6 +36,7 @@ trains LoRA adapters (peft; `model.lora.*`), merged into the final save.
 from __future__ import annotations
 
 import argparse
+from functools import partial
 from pathlib import Path
 
 
@@ -84,7 +85,8 @@ def main() -> None:
     from toolcollapse.conversations import first_turn_reward, read_conversations, reference_rows
     from toolcollapse.envs import make_env
     from toolcollapse.integrations.trl import (ControlTokenCallback, MonitoredGRPOTrainer, engine_rollouts,
-                                               episode_success, rl_phase_data, speak_toolcollapse_chat, task_rows,
+                                               episode_success, reference_token_rows, rl_phase_data,
+                                               speak_toolcollapse_chat, task_rows,
                                                tool_world_environment, tool_world_reward, train_interleaved)
     from toolcollapse.model import load_model, load_tokenizer
     from toolcollapse.rl import task_order
@@ -107,10 +109,10 @@ def main() -> None:
     window = args.window or (s.ets.window if s.ets.enabled else steps)
     prs = args.prs or (s.prs.target if s.prs.enabled else "none")
     env = make_env(cfg)
-    if args.data and (args.rollouts == "engine" or ops or hbg or rounds):
+    if args.data and (args.rollouts == "engine" or ops or hbg or (rounds and prs != "none")):
         ap.error("--data (your own conversations) trains their first turns through TRL's generation: no engine "
-                 "rollouts, OPS, HBG or ETS/PRS rounds (they replay an environment's tasks); the SFT term and "
-                 "unlikelihood work")
+                 "rollouts, OPS, HBG or PRS (they replay an environment's tasks, PRS's judge reads them); the SFT "
+                 "term, unlikelihood and ETS rounds (SFT on the failed conversations' first turns) work")
     if args.vllm != "off" and args.rollouts == "engine":
         ap.error("--vllm with --rollouts engine: our engine generates with the trained model itself, not vLLM")
     if not args.data and args.rollouts == "tool_loop" and (cfg.env != "toolworld" or ops or hbg):
@@ -138,7 +140,7 @@ def main() -> None:
     tasks = [order[i % len(order)] for i in range(per_round * max(1, rounds))]
     if args.data:  # your own conversations: prompts and their ground-truth first turns, cycled
         mine = reference_rows(read_conversations(args.data))
-        data = Dataset.from_list([mine[i % len(mine)] for i in range(per_round)])
+        data = Dataset.from_list([mine[i % len(mine)] for i in range(per_round * max(1, rounds))])
         speak_toolcollapse_chat(tokenizer, model, cfg.rollout.call_end,  # our models: stop at </tool_call> too
                                 use_vllm=args.vllm != "off")
         rollout = dict(reward_funcs=first_turn_reward(tokenizer, cfg.rollout.call_end))
@@ -187,9 +189,9 @@ def main() -> None:
                                  use_cpu=not _cuda(), seed=cfg.seed, logging_steps=args.logging_steps)
             return SFTTrainer(model=model, args=sft_args, train_dataset=dataset, processing_class=tokenizer)
 
-        phases = train_interleaved(make_grpo, make_sft, rounds, window, args.out,
-                                   rl_phase_data(cfg, tokenizer, None if prs == "none" else prs,
-                                                 call_end=cfg.rollout.call_end))
+        phase_data = (partial(reference_token_rows, tokenizer=tokenizer) if args.data  # your conversations' turns
+                      else rl_phase_data(cfg, tokenizer, None if prs == "none" else prs, call_end=cfg.rollout.call_end))
+        phases = train_interleaved(make_grpo, make_sft, rounds, window, args.out, phase_data)
         for p in phases:
             print(p)
     PartialState().wait_for_everyone()

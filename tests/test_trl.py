@@ -160,6 +160,25 @@ def test_two_processes_log_whole_batch_statistics_and_stop_together_on_an_inject
     assert (tmp_path / "diagnose" / "control_tokens.png").is_file() and (tmp_path / "diagnose" / "states.png").is_file()
 
 
+def test_ets_rows_from_references_train_the_reference_tokens_after_the_prompt_tokens_trl_fed(tokenizer):
+    from toolcollapse.integrations.trl import reference_token_rows
+
+    reference = '<tool_call>{"name": "kb_lookup", "arguments": {"entity": "Varkstan"}}</tool_call>'
+    failures = [{"prompt_ids": torch.tensor([5, 6, 7], dtype=torch.int32), "reference": reference},
+                {"prompt_ids": [8, 9], "reference": "The answer is 7.<|im_end|>"}]
+    data, tokens, stats = reference_token_rows(failures, tokenizer)
+    for row, f in zip(data, failures):
+        prompt = [int(i) for i in f["prompt_ids"]]
+        trained = [t for t in row["labels"] if t != -100]
+        assert row["input_ids"][:len(prompt)] == prompt and row["labels"][:len(prompt)] == [-100] * len(prompt)
+        assert row["input_ids"][len(prompt):] == trained  # the reference, and only it, is trained
+        assert tokenizer.decode(trained, skip_special_tokens=False) == f["reference"]
+    assert tokens == sum(len(r["input_ids"]) for r in data) - 5 and stats == {}
+    assert tokenizer.convert_tokens_to_ids("<tool_call>") in data[0]["labels"]  # the tag as one special token
+    with pytest.raises(ValueError, match="prompt_ids"):
+        reference_token_rows([{"reference": reference}], tokenizer)
+
+
 def test_rejected_controls_marks_the_first_bad_control_token_of_each_sampled_turn(tokenizer):
     from toolcollapse.autopsy import control_tag_ids
     from toolcollapse.integrations.trl import rejected_controls
@@ -818,22 +837,28 @@ def test_the_trl_example_refuses_a_signal_it_cannot_run_before_loading_the_model
 @pytest.mark.slow
 def test_the_trl_example_trains_on_one_s_own_conversations(tmp_path, tiny_checkpoint):
     """`--data`: the shipped conversations' first turns as targets (first_turn_reward), the probe built from
-    them, the config's SFT term on their ground truth; what needs an environment is refused."""
+    them, the config's SFT term on their ground truth, ETS rounds (an SFT phase on the failed conversations'
+    first turns after each); what needs an environment or a judge is refused."""
     data = ROOT / "examples" / "data" / "conversations.jsonl"
     out = tmp_path / "out"
     sets = ["grpo.prompts_per_step=2", "grpo.group_size=2", "monitor.probe_size=4", "monitor.probe_every=1",
             "rollout.max_new_tokens=16", "supervision.sft_coef=0.5"]
     cmd = [sys.executable, "examples/trl_grpo.py", "--checkpoint", str(tiny_checkpoint), "--config",
-           "configs/tiny_rl.yaml", *[a for s in sets for a in ("--set", s)], "--steps", "2", "--data", str(data),
-           "--out", str(out)]
+           "configs/tiny_rl.yaml", *[a for s in sets for a in ("--set", s)], "--steps", "1", "--rounds", "2",
+           "--data", str(data), "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     monitored = [json.loads(line) for line in (out / "monitor.jsonl").read_text().splitlines()]
     assert sorted({r["step"] for r in monitored if "probe/content/tool_name/logp" in r}) == [0, 1]
     assert any(r.get("sup/sft_tokens", 0) > 0 for r in monitored)
-    refused = subprocess.run([*cmd[:-2], "--out", str(tmp_path / "no"), "--ops", "1"], cwd=ROOT,
-                             capture_output=True, text=True, timeout=300)
-    assert refused.returncode == 2 and "--data" in refused.stderr and not (tmp_path / "no").exists()
+    # a random model fails both prompts of each one-step round: each phase trains their two reference turns
+    phases = [json.loads(line) for line in (out / "phases.jsonl").read_text().splitlines()]
+    assert [(p["step"], p["tasks"]) for p in phases] == [(1, 2), (2, 2)], phases
+    assert all(p["phase/tokens"] > 0 and p["phase/steps"] >= 1 and p["phase/loss"] > 0 for p in phases), phases
+    for extra in (["--ops", "1"], ["--prs", "reflection"]):
+        refused = subprocess.run([*cmd[:-2], "--out", str(tmp_path / "no"), *extra], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=300)
+        assert refused.returncode == 2 and "--data" in refused.stderr and not (tmp_path / "no").exists()
 
 
 @pytest.mark.slow

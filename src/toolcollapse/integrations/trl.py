@@ -764,6 +764,25 @@ def reference_rows(failures: list[dict[str, Any]], tokenizer: Any) -> tuple[Any,
     return Dataset.from_list(rows), tokens, {}
 
 
+def reference_token_rows(failures: list[dict[str, Any]], tokenizer: Any) -> tuple[Any, int, dict[str, float]]:
+    """ETS's data token for token as the SFT term trains it: each failed prompt's tokens as TRL fed them
+    (`prompt_ids`, kept by MonitoredGRPOTrainer) with its reference completion tokenized after them, trained
+    on the completion only. Pre-tokenized rows (`input_ids`, `labels` -100 on the prompt), so any prompt
+    works: text, or the messages of one's own conversations (`conversations.reference_rows`)."""
+    from datasets import Dataset
+
+    if any(f.get("reference") is None or f.get("prompt_ids") is None for f in failures):
+        raise ValueError("reference_token_rows needs each failure's reference (the dataset's reference column) and "
+                         "prompt_ids (failures kept by MonitoredGRPOTrainer)")
+    rows, tokens = [], 0
+    for f in failures:
+        prompt = [int(i) for i in f["prompt_ids"]]
+        reference = tokenizer(f["reference"], add_special_tokens=False)["input_ids"]
+        rows.append({"input_ids": prompt + reference, "labels": [-100] * len(prompt) + reference})
+        tokens += len(reference)
+    return Dataset.from_list(rows), tokens, {}
+
+
 def rollout_episode(task: Any, prompt_ids: Any, completion_ids: Any, sampled: Any, tokenizer: Any,
                     env: Any = None, call_end: str = "template") -> Any:
     """A rollout played in TRL (its tool loop, or `engine_rollouts`), in toolcollapse's chat format, as our
