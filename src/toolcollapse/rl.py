@@ -673,6 +673,8 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
             metrics = {"step": step, "lr": lr, **probe_stats, **update_stats, **row_kind_stats(episodes, kinds),
                        "seconds": time.time() - t0, "seconds_probe": t_probe - t_rollout,
                        "seconds_rollout": t_rollout - t0, "seconds_update": time.time() - t_val}
+            if hasattr(judge, "metrics"):  # a chat-model judge: its reflections and cost since this process started
+                metrics.update(judge.metrics())
             if phases.ets_round_ends(step):  # part of the step: an alarm's checkpoint or rollback sees it done
                 metrics.update({f"ets/{k.removeprefix('phase/')}": v for k, v in
                                 _phase(phases, "ets", step=step, failures=phases.ets_failures(step), optimizer=optimizer).items()})
