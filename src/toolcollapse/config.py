@@ -300,48 +300,21 @@ class OPSConfig(Checked):
 
 
 @dataclass(frozen=True)
-class HBGConfig(Checked):
-    """Hint-based guidance: `rows` of each group sample with a hint in the system message, train without it."""
-
-    enabled: bool = False
-    rows: Count = 2  # hinted rows per group (the paper: 2 of 8)
-    # format: the call-format reminder; plan: + the tools to call, in order; calls: + the first `calls` calls
-    level: Literal["format", "plan", "calls"] = "plan"
-    calls: Count = 1
-
-
-@dataclass(frozen=True)
-class PhaseConfig(Checked):
-    """An SFT phase inside an RL run (ETS, PRS, the adaptive schedule) or the sft_only control (interleave.py)."""
-
-    epochs: Count = 2  # passes over the phase's examples (the released code: 2)
-    lr: Positive = 1e-4  # constant; a fresh AdamW per phase (the released code: 1e-6 and 1e-5 for a 1.5 B model)
-    batch_size: Count = 8  # examples per optimizer step (micro-batched by grpo.micro_batch_size)
-
-
-@dataclass(frozen=True)
-class ETSConfig(Checked):
-    """Erroneous-trajectory supervision: rounds of `every` GRPO steps, each followed by an SFT phase on the
-    ground truth of the tasks with a zero-reward rollout in the round's last `window` steps."""
-
-    enabled: bool = False
-    every: Count = 8  # R: GRPO steps per round (the phase follows the round's last step, the run's last too)
-    window: Count = 4  # W: the round's last W steps whose failed tasks are collected (the released code: 10)
-
-
-@dataclass(frozen=True)
 class ChatModelConfig(Checked):
-    """Who writes PRS's reflections (`supervision.prs.judge`): the deterministic judge, a chat model -- a local
-    Hugging Face model or any OpenAI-compatible server -- or your own factory (chat_models.py, judge.py)."""
+    """Who writes PRS's reflections (`supervision.prs.judge`: the deterministic judge) or HBG's hints
+    (`supervision.hbg.hint_writer`: the template): or a chat model -- a local Hugging Face model or any
+    OpenAI-compatible server -- or your own factory (chat_models.py, judge.py, supervision.py)."""
 
-    kind: Literal["deterministic", "hf", "openai", "factory"] = "deterministic"
+    kind: Literal["deterministic", "template", "hf", "openai", "factory"] = "deterministic"
     source: str | None = None  # hf: a local HF directory, or a packaged model (smollm2-135m)
     base_url: str | None = None  # openai: e.g. http://localhost:8000/v1 (vLLM, SGLang, llama.cpp's server, Ollama)
     model: str | None = None  # openai: the served model's name
     # openai: the NAME of the environment variable holding the key (the key itself is never in a config, a log
     # or a checkpoint); none: local servers take any key
     api_key_env: str | None = None
-    factory: str | None = None  # factory: "package.module:callable", zero arguments, returning a judge.Judge
+    # factory: "package.module:callable", zero arguments, returning a judge.Judge (prs.judge) or a callable
+    # task -> hint text (hbg.hint_writer)
+    factory: str | None = None
     max_new_tokens: Count = 384
     temperature: NonNegative = 0.0  # 0: greedy (the cache then serves every repeat)
     timeout_s: Positive = 60.0  # one call
@@ -364,6 +337,44 @@ class ChatModelConfig(Checked):
 
 
 @dataclass(frozen=True)
+class HBGConfig(Checked):
+    """Hint-based guidance: `rows` of each group sample with a hint in the system message, train without it."""
+
+    enabled: bool = False
+    rows: Count = 2  # hinted rows per group (the paper: 2 of 8)
+    # format: the call-format reminder; plan: + the tools to call, in order; calls: + the first `calls` calls
+    level: Literal["format", "plan", "calls"] = "plan"
+    calls: Count = 1
+    # template: the hint above, from the ground truth; hf / openai: a chat model's summary of the ground-truth
+    # calls after the format reminder (the paper's), the template where it fails or gives the answer away
+    hint_writer: ChatModelConfig = field(default_factory=lambda: ChatModelConfig(kind="template"))
+
+    def extra_problems(self) -> list[str]:
+        if self.hint_writer.kind == "deterministic":
+            return ["hint_writer.kind: template, hf, openai or factory (deterministic is PRS's judge)"]
+        return []
+
+
+@dataclass(frozen=True)
+class PhaseConfig(Checked):
+    """An SFT phase inside an RL run (ETS, PRS, the adaptive schedule) or the sft_only control (interleave.py)."""
+
+    epochs: Count = 2  # passes over the phase's examples (the released code: 2)
+    lr: Positive = 1e-4  # constant; a fresh AdamW per phase (the released code: 1e-6 and 1e-5 for a 1.5 B model)
+    batch_size: Count = 8  # examples per optimizer step (micro-batched by grpo.micro_batch_size)
+
+
+@dataclass(frozen=True)
+class ETSConfig(Checked):
+    """Erroneous-trajectory supervision: rounds of `every` GRPO steps, each followed by an SFT phase on the
+    ground truth of the tasks with a zero-reward rollout in the round's last `window` steps."""
+
+    enabled: bool = False
+    every: Count = 8  # R: GRPO steps per round (the phase follows the round's last step, the run's last too)
+    window: Count = 4  # W: the round's last W steps whose failed tasks are collected (the released code: 10)
+
+
+@dataclass(frozen=True)
 class PRSConfig(Checked):
     """Process-reflection supervision: ETS's phases also train on a judge's reflection on each failed rollout."""
 
@@ -372,6 +383,11 @@ class PRSConfig(Checked):
     # the reflection as a user turn, then the reference continuation (only the continuation is trained)
     target: Literal["reflection", "correction"] = "reflection"
     judge: ChatModelConfig = field(default_factory=ChatModelConfig)  # "deterministic" and "module:callable" read too
+
+    def extra_problems(self) -> list[str]:
+        if self.judge.kind == "template":
+            return ["judge.kind: deterministic, hf, openai or factory (template is HBG's hint writer)"]
+        return []
 
 
 @dataclass(frozen=True)
