@@ -312,3 +312,19 @@ def test_a_prs_run_with_smollm2_as_a_local_hf_judge(tmp_path, tiny_checkpoint):
     assert judged == 2 and last["judge/calls"] == judged and last["judge/failures"] == 0
     assert last["judge/accepted"] + last["judge/rejected"] == judged and last["judge/tokens_out"] > 0
     assert phase["phase/tokens"] > 0 and phase["phase/steps"] >= 1
+
+
+def test_rl_with_an_unreachable_judge_exits_2_before_writing_anything(tmp_path, tiny_checkpoint):
+    import subprocess
+    import sys
+
+    from test_rl import _rl_config
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "toolcollapse", "rl", "--config", str(_rl_config(tmp_path, tiny_checkpoint)),
+           "--out", str(out), "--set", "supervision.ets.enabled=true", "--set", "supervision.prs.enabled=true",
+           "--set", "supervision.prs.judge.kind=openai", "--set", "supervision.prs.judge.base_url=http://127.0.0.1:9/v1",
+           "--set", "supervision.prs.judge.model=m", "--set", "supervision.prs.judge.retries=0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "does not answer" in proc.stderr, proc.stderr[-2000:]
+    assert not out.exists()

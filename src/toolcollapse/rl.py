@@ -597,6 +597,9 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
     check_run_start(cfg, run_dir, resume, overwrite, allow_change)
     if s.sft_only_enabled:
         return run_sft_only(cfg, run_dir, resume)
+    # a chat-model judge or hint writer answers once before any work (ConfigError: a wrong address, model, key)
+    judge = judge or (load_judge(s.prs.judge) if s.prs.enabled else None)
+    hints = load_hint_writer(s.hbg) if s.hbg.enabled else None
     set_threads(cfg.threads)
     seed_everything(cfg.seed)
     done = complete_checkpoints(run_dir) if resume else []
@@ -627,8 +630,6 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
     sft_term = SFTTerm(s.sft_coef, g.micro_batch_size, tokenizer.pad_token_id) if s.sft_coef > 0 else None
     sft_tokens_total = sft_tokens_so_far(rows)
     phases = PhaseRunner(run_dir, model, engine.encoder, {t.id: t for t in order}, cfg, read_failures(run_dir))
-    judge = judge or (load_judge(s.prs.judge) if s.prs.enabled else None)
-    hints = load_hint_writer(s.hbg) if s.hbg.enabled else None
     lr_scale = next((r["adaptive/lr_scale"] for r in reversed(rows) if "adaptive/lr_scale" in r), 1.0)
     recoveries = sum("adaptive/recovery" in r for r in rows)
     save_at = lambda k: save_checkpoint(run_dir, k, model, tokenizer, optimizer,  # noqa: E731
