@@ -319,7 +319,7 @@ class ChatModelConfig(Checked):
     temperature: NonNegative = 0.0  # 0: greedy (the cache then serves every repeat)
     timeout_s: Positive = 60.0  # one call
     retries: NonNegInt = 3  # a call's retries, with exponential backoff (429, 5xx, timeouts, refused connections)
-    concurrency: Count = 4  # calls in flight at once
+    concurrency: Count = 4  # calls in flight at once (openai; an hf model writes one reply at a time)
     # calls that failed after their retries: each falls back to the deterministic reflection, with a warning;
     # past this many the run stops asking (every later reflection deterministic)
     max_failures: NonNegInt = 20

@@ -292,7 +292,8 @@ def load_judge(spec: Any) -> Judge:
 
         chat = chat_model(spec)
         chat.check()
-        return LLMJudge(chat, spec.max_failures, spec.concurrency)
+        # a server takes `concurrency` calls at once; a local model generates one at a time (its lock)
+        return LLMJudge(chat, spec.max_failures, spec.concurrency if spec.kind == "openai" else 1)
     module, _, name = spec.factory.partition(":")
     try:
         factory = getattr(importlib.import_module(module), name)
