@@ -274,3 +274,21 @@ def test_provenance_names_the_commit_of_the_code_that_runs_not_of_the_working_di
         pytest.skip("the tests do not run from a git checkout")
     monkeypatch.chdir(tmp_path)  # not a git checkout
     assert git_commit().split()[0] == head.stdout.strip()
+
+
+def test_the_arms_table_names_a_chat_model_judge_and_says_deterministic_when_every_reflection_fell_back():
+    from toolcollapse.config import load_config
+    from toolcollapse.report import authors_cell
+    from toolcollapse.results import Arm
+
+    sets = ["supervision.ets.enabled=true", "supervision.prs.enabled=true", "supervision.prs.judge.kind=openai",
+            "supervision.prs.judge.base_url=http://x/v1", "supervision.prs.judge.model=qwen-judge"]
+    cfg = load_config(None, sets)
+    counts = lambda a, r, f: {"judge/accepted": a, "judge/rejected": r, "judge/failed": f,  # noqa: E731
+                              "judge/calls": a + r + f, "judge/tokens_in": 100, "judge/tokens_out": 20}
+    arm = Arm("prs", "prs", "prs", "ets", 1e-4, cfg, metrics=[[{"step": 0}, {"step": 1, **counts(3, 1, 0)}],
+                                                           [{"step": 1, **counts(2, 2, 1)}]])
+    assert authors_cell(arm) == "; judge openai qwen-judge: 5/9 accepted, 9 calls, 240 tokens"
+    arm.metrics = [[{"step": 1, **counts(0, 3, 1)}]]
+    assert authors_cell(arm) == "; judge openai qwen-judge: deterministic (all 4 replies fell back)"
+    assert authors_cell(Arm("prs", "prs", "prs", "ets", 1e-4, load_config(None, sets[:2]))) == ""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -299,6 +300,43 @@ class OPSConfig(Checked):
 
 
 @dataclass(frozen=True)
+class ChatModelConfig(Checked):
+    """Who writes PRS's reflections (`supervision.prs.judge`: the deterministic judge) or HBG's hints
+    (`supervision.hbg.hint_writer`: the template): or a chat model -- a local Hugging Face model or any
+    OpenAI-compatible server -- or your own factory (chat_models.py, judge.py, supervision.py)."""
+
+    kind: Literal["deterministic", "template", "hf", "openai", "factory"] = "deterministic"
+    source: str | None = None  # hf: a local HF directory, or a packaged model (smollm2-135m)
+    base_url: str | None = None  # openai: e.g. http://localhost:8000/v1 (vLLM, SGLang, llama.cpp's server, Ollama)
+    model: str | None = None  # openai: the served model's name
+    # openai: the NAME of the environment variable holding the key (the key itself is never in a config, a log
+    # or a checkpoint); none: local servers take any key
+    api_key_env: str | None = None
+    # factory: "package.module:callable", zero arguments, returning a judge.Judge (prs.judge) or a callable
+    # task -> hint text (hbg.hint_writer)
+    factory: str | None = None
+    max_new_tokens: Count = 384
+    temperature: NonNegative = 0.0  # 0: greedy (the cache then serves every repeat)
+    timeout_s: Positive = 60.0  # one call
+    retries: NonNegInt = 3  # a call's retries, with exponential backoff (429, 5xx, timeouts, refused connections)
+    concurrency: Count = 4  # calls in flight at once (openai; an hf model writes one reply at a time)
+    # calls that failed after their retries: each falls back to the deterministic reflection, with a warning;
+    # past this many the run stops asking (every later reflection deterministic)
+    max_failures: NonNegInt = 20
+    cache_dir: str | None = None  # replies cached on disk (default: <toolcollapse cache>/chat)
+
+    def extra_problems(self) -> list[str]:
+        need = {"hf": ("source",), "openai": ("base_url", "model"), "factory": ("factory",)}.get(self.kind, ())
+        problems = [f"{k}: kind {self.kind} needs it" for k in need if getattr(self, k) is None]
+        if self.kind == "factory" and self.factory and ":" not in self.factory:
+            problems.append(f"factory: {self.factory!r} is not 'package.module:factory' (a zero-argument callable)")
+        if self.api_key_env and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.api_key_env):
+            problems.append(f"api_key_env: {self.api_key_env!r} is not an environment variable's name "
+                            "(give the variable's name, never the key)")
+        return problems
+
+
+@dataclass(frozen=True)
 class HBGConfig(Checked):
     """Hint-based guidance: `rows` of each group sample with a hint in the system message, train without it."""
 
@@ -307,6 +345,14 @@ class HBGConfig(Checked):
     # format: the call-format reminder; plan: + the tools to call, in order; calls: + the first `calls` calls
     level: Literal["format", "plan", "calls"] = "plan"
     calls: Count = 1
+    # template: the hint above, from the ground truth; hf / openai: a chat model's summary of the ground-truth
+    # calls after the format reminder (the paper's), the template where it fails or gives the answer away
+    hint_writer: ChatModelConfig = field(default_factory=lambda: ChatModelConfig(kind="template"))
+
+    def extra_problems(self) -> list[str]:
+        if self.hint_writer.kind == "deterministic":
+            return ["hint_writer.kind: template, hf, openai or factory (deterministic is PRS's judge)"]
+        return []
 
 
 @dataclass(frozen=True)
@@ -336,7 +382,12 @@ class PRSConfig(Checked):
     # reflection: (the judge's prompt -> its reflection), as the released code; correction: the failed prefix,
     # the reflection as a user turn, then the reference continuation (only the continuation is trained)
     target: Literal["reflection", "correction"] = "reflection"
-    judge: str = "deterministic"  # or "package.module:factory", a zero-argument callable returning a judge.Judge
+    judge: ChatModelConfig = field(default_factory=ChatModelConfig)  # "deterministic" and "module:callable" read too
+
+    def extra_problems(self) -> list[str]:
+        if self.judge.kind == "template":
+            return ["judge.kind: deterministic, hf, openai or factory (template is HBG's hint writer)"]
+        return []
 
 
 @dataclass(frozen=True)
@@ -554,7 +605,11 @@ LEGACY_WARMUP_KEYS = {"copy_warmup_content": "content", "copy_warmup_steps": "st
 def migrate_legacy_keys(raw: dict[str, Any]) -> None:
     """Rewrite keys of older configs and checkpoints in place: the single copy warm-up phase
     `sft.copy_warmup_{content,steps,batch_size}` (defaults first_call, 0, 64) is now one item of
-    `sft.copy_warmup`."""
+    `sft.copy_warmup`; `supervision.prs.judge: deterministic | module:callable` is now a mapping."""
+    prs = (raw.get("supervision") or {}).get("prs") if isinstance(raw.get("supervision"), dict) else None
+    if isinstance(prs, dict) and isinstance(prs.get("judge"), str):
+        spec = prs["judge"]
+        prs["judge"] = {"kind": "deterministic"} if spec == "deterministic" else {"kind": "factory", "factory": spec}
     sft = raw.get("sft")
     if not isinstance(sft, dict) or not LEGACY_WARMUP_KEYS.keys() & sft.keys():
         return

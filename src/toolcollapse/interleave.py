@@ -48,7 +48,7 @@ import torch
 from tqdm.auto import tqdm
 
 from toolcollapse.chat import IM_END, Piece, PieceEncoder, conversation_pieces, tag
-from toolcollapse.judge import Judge, judge_messages
+from toolcollapse.judge import Judge, Verdict, judge_messages
 from toolcollapse.optim import make_optimizer
 from toolcollapse.records import CallEnd, Episode, Message, Task
 from toolcollapse.runtime import append_jsonl, read_jsonl
@@ -81,23 +81,25 @@ def collect_failures(step: int, episodes: Sequence[Episode], kinds: Sequence[str
                      generation_prompt_len: int = 0) -> list[Failure]:
     """One Failure per task whose on-policy rows include a failed one (reward 0 unless grpo.format_reward
     shapes it); the first such row is judged."""
-    out: dict[str, Failure] = {}
+    first: dict[str, Episode] = {}
     for ep, kind in zip(episodes, kinds or ["policy"] * len(episodes)):
-        if kind != "policy" or ep.success or ep.task_id in out:
-            continue
-        failure = Failure(step, ep.task_id)
-        if judge is not None:
-            failure = judged(failure, tasks[ep.task_id], ep, judge, decode, generation_prompt_len)
-        out[ep.task_id] = failure
-    return list(out.values())
+        if kind == "policy" and not ep.success and ep.task_id not in first:
+            first[ep.task_id] = ep
+    if judge is None:
+        return [Failure(step, task_id) for task_id in first]
+    items = [(tasks[task_id], ep) for task_id, ep in first.items()]
+    # a chat-model judge (judge.LLMJudge) asks for all of them at once, `concurrency` calls in flight
+    verdicts = judge.many(items, decode) if hasattr(judge, "many") else [judge(t, ep, decode) for t, ep in items]
+    return [judged(Failure(step, ep.task_id), task, ep, verdict, decode, generation_prompt_len)
+            for (task, ep), verdict in zip(items, verdicts)]
 
 
-def judged(failure: Failure, task: Task, episode: Episode, judge: Judge, decode: Callable,
+def judged(failure: Failure, task: Task, episode: Episode, judge: Judge | Verdict, decode: Callable,
            generation_prompt_len: int = 0) -> Failure:
-    """`failure` with the judge's verdict on `episode`, and the failed prefix a correction example needs:
-    the rollout's tokens up to the next turn's generation prompt (the turn's end and the observations
-    as the policy saw them, roles included), or through the turn when it was the last."""
-    verdict = judge(task, episode, decode)
+    """`failure` with the judge's verdict on `episode` (or the verdict itself), and the failed prefix a
+    correction example needs: the rollout's tokens up to the next turn's generation prompt (the turn's end
+    and the observations as the policy saw them, roles included), or through the turn when it was the last."""
+    verdict = judge if isinstance(judge, Verdict) else judge(task, episode, decode)
     if verdict.turn is None or not episode.turns:
         return dataclasses.replace(failure, mistake=verdict.mistake, reflection=verdict.reflection)
     closing = min(verdict.turn, len(episode.turns) - 1)  # a stopped-early episode: its last turn closes the prefix

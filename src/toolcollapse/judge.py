@@ -24,8 +24,11 @@ writes the reflection while the deterministic judge still locates the turn.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
+import re
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
@@ -159,15 +162,141 @@ class ChatJudge:
         return Verdict(located.turn, located.mistake, text or located.reflection)
 
 
-def load_judge(spec: str) -> Judge:
-    """`deterministic`, or `package.module:factory` -- a zero-argument callable returning a Judge."""
-    if spec == "deterministic":
+# ----------------------------------------------------------------------------- LLM judges (PRS as in the paper)
+
+
+LLM_JUDGE_PROMPT = (
+    "You review a tool-using assistant's failed attempt at a task, beside the reference turns that solve it. "
+    "Write exactly four parts, each starting on its own line with its label:\n"
+    "Intent: what the task asks.\n"
+    "Mistake: the first turn that went wrong, and how.\n"
+    "Root cause: why the assistant made that mistake.\n"
+    "Corrected calls: the tool calls from that turn on, each as <tool_call>{\"name\": ..., \"arguments\": {...}}"
+    "</tool_call>, one per line (write none if the reference answers there instead).")
+PARTS = ("intent", "mistake", "root cause", "corrected calls")
+_PART = re.compile(r"^\s*\**\s*(intent|mistake|root cause|corrected calls)\s*\**\s*:", re.I | re.M)
+_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+
+
+def llm_judge_messages(task: Task, episode: Episode, decode: Callable[[Sequence[int]], str],
+                       upto: int | None = None) -> list[dict[str, str]]:
+    """The paper's PRS judge's input: the task, the failed attempt and the ground truth, and the four parts."""
+    messages = judge_messages(task, episode, decode, upto)
+    return [{"role": "system", "content": LLM_JUDGE_PROMPT}, messages[1]]
+
+
+def read_reflection(text: str, task: Task, turn: int | None, tools: Any = None) -> tuple[str | None, str]:
+    """(the reflection in our words, None) for a reply that has the four parts and whose corrected calls parse
+    (our parser) and equal the reference's calls from `turn` on; (None, why) otherwise."""
+    from toolcollapse.parser import parse_turn
+
+    found = {m.group(1).lower(): m for m in _PART.finditer(text)}
+    missing = [p for p in PARTS if p not in found]
+    if missing:
+        return None, f"no {missing[0]!r} part"
+    order = sorted(found.values(), key=lambda m: m.start())
+    parts = {m.group(1).lower(): text[m.end():(order[i + 1].start() if i + 1 < len(order) else len(text))].strip()
+             for i, m in enumerate(order)}
+    if any(not parts[p] for p in PARTS[:3]):
+        return None, f"an empty {next(p for p in PARTS[:3] if not parts[p])!r} part"
+    calls = []
+    for block in _CALL.findall(parts["corrected calls"]):
+        parsed = parse_turn(f"<tool_call>{block}</tool_call>", tools)
+        if parsed.call is None or not parsed.state.healthy:
+            return None, f"a corrected call that does not parse ({parsed.errors[0].value if parsed.errors else '?'})"
+        calls.append(parsed.call)
+    want = [m.tool_call for m in reference_turns(task)[turn or 0:] if m.tool_call is not None]
+    if [(c.name, c.arguments) for c in calls] != [(c.name, c.arguments) for c in want]:
+        return None, f"corrected calls {[c.name for c in calls]} are not the reference's {[c.name for c in want]}"
+    written_calls = "\n".join(f"<tool_call>\n{c.to_json()}\n</tool_call>" for c in want) or "none"
+    return (f"Intent: {parts['intent']}\nMistake: {parts['mistake']}\nRoot cause: {parts['root cause']}\n"
+            f"Corrected calls:\n{written_calls}"), ""
+
+
+@dataclass
+class JudgeStats:
+    accepted: int = 0  # the model's reflection trained
+    rejected: int = 0  # a reply that was not a valid reflection: the deterministic one trained instead
+    failed: int = 0  # calls that failed after their retries, or skipped past max_failures: deterministic
+    reasons: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+class LLMJudge:
+    """PRS's judge as in the paper: a chat model reads the failed rollout beside the ground truth and writes
+    intent, mistake, root cause and the corrected calls (`read_reflection` validates them); the deterministic
+    judge locates the turn and stands in for every reply that is rejected or fails."""
+
+    def __init__(self, chat: Any, max_failures: int = 20, concurrency: int = 1, warn: Callable[[str], None] = print):
+        self.chat, self.max_failures, self.concurrency, self.warn = chat, max_failures, concurrency, warn
+        self.stats = JudgeStats()
+        self._lock = threading.Lock()
+
+    def __call__(self, task: Task, episode: Episode, decode: Callable[[Sequence[int]], str]) -> Verdict:
+        located = deterministic_judge(task, episode, decode)
+        if located.turn is None:
+            return located
+        with self._lock:
+            give_up = self.stats.failed >= self.max_failures
+        if give_up:
+            return self._fallback(located, "failed", "past max_failures")
+        try:
+            reply = self.chat(llm_judge_messages(task, episode, decode, located.turn))
+        except Exception as err:  # a failed call never costs the phase: the deterministic reflection trains
+            with self._lock:
+                if self.stats.failed + 1 == self.max_failures:
+                    self.warn(f"judge: {self.max_failures} calls failed; every later reflection is the "
+                              "deterministic one")
+            self.warn(f"judge: a call failed ({err}); the deterministic reflection stands in")
+            return self._fallback(located, "failed", str(err).split(" from ")[0])  # "HTTP 500", "APITimeoutError"
+        reflection, why = read_reflection(reply.text, task, located.turn)
+        if reflection is None:
+            return self._fallback(located, "rejected", why.split(" (")[0])
+        with self._lock:
+            self.stats.accepted += 1
+        return Verdict(located.turn, located.mistake, reflection)
+
+    def _fallback(self, located: Verdict, outcome: str, why: str) -> Verdict:
+        with self._lock:
+            setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
+            self.stats.reasons[why] = self.stats.reasons.get(why, 0) + 1
+        return located
+
+    def many(self, items: Sequence[tuple[Task, Episode]], decode: Callable[[Sequence[int]], str]) -> list[Verdict]:
+        """Verdicts on many failures, `concurrency` calls in flight (a server's batch), in their order."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            return list(pool.map(lambda item: self(item[0], item[1], decode), items))
+
+    def metrics(self) -> dict[str, float]:
+        """judge/* for a phase's record: the reflections' fate and the chat model's cost."""
+        s = self.stats
+        out = {"judge/accepted": s.accepted, "judge/rejected": s.rejected, "judge/failed": s.failed}
+        chat_stats = getattr(self.chat, "stats", None)
+        return {**out, **(chat_stats.as_dict("judge") if chat_stats is not None else {})}
+
+
+def load_judge(spec: Any) -> Judge:
+    """A judge from `supervision.prs.judge` (config.ChatModelConfig; a string: `deterministic` or
+    `package.module:callable`, a zero-argument callable returning a Judge). A chat model is asked once
+    first: a wrong address, model name, key or source stops the run here (ConfigError)."""
+    if isinstance(spec, str):
+        spec = {"kind": "deterministic"} if spec == "deterministic" else {"kind": "factory", "factory": spec}
+        from toolcollapse.config import ChatModelConfig
+
+        spec = ChatModelConfig(**spec)
+    if spec.kind == "deterministic":
         return deterministic_judge
-    module, _, name = spec.partition(":")
-    if not name:
-        raise ValueError(f"supervision.prs.judge: {spec!r} is neither 'deterministic' nor 'module:factory'")
+    if spec.kind in ("hf", "openai"):
+        from toolcollapse.chat_models import chat_model
+
+        chat = chat_model(spec)
+        chat.check()
+        # a server takes `concurrency` calls at once; a local model generates one at a time (its lock)
+        return LLMJudge(chat, spec.max_failures, spec.concurrency if spec.kind == "openai" else 1)
+    module, _, name = spec.factory.partition(":")
     try:
         factory = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as err:
-        raise ValueError(f"supervision.prs.judge: cannot load {spec!r} ({type(err).__name__}: {err})") from None
+        raise ValueError(f"supervision.prs.judge: cannot load {spec.factory!r} ({type(err).__name__}: {err})") from None
     return factory()

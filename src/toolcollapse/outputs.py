@@ -303,6 +303,22 @@ METRICS: list[tuple[str, str, str]] = [
                                     "counted as SFT tokens (absent when `skipped_uninformative`)."),
     # ETS / PRS phases (interleave.py)
     *[(f"ets/{name}", unit, meaning) for name, unit, meaning in PHASE_STATS],
+    # chat models writing PRS's reflections (judge/) and HBG's hints (hint/): counts since the process started
+    *[(f"{who}/{name}", unit, f"{what} {meaning}") for who, what in (
+        ("judge", "PRS's chat-model judge (`supervision.prs.judge.kind` hf or openai):"),
+        ("hint", "HBG's chat-model hint writer (`supervision.hbg.hint_writer.kind` hf or openai):"))
+      for name, unit, meaning in (
+        ("accepted", "count", "replies used as they came (a reflection with the four parts and the reference's "
+                              "calls; a hint without the answer)."),
+        ("rejected", "count", "replies that were not: the deterministic reflection or the template hint instead."),
+        ("failed", "count", "calls that failed after their retries (or were not made past `max_failures`): the "
+                            "deterministic reflection or the template hint instead."),
+        ("calls", "count", "calls that reached the model (cache misses), failed ones included."),
+        ("cache_hits", "count", "replies read from the disk cache (`cache_dir`)."),
+        ("failures", "count", "calls that failed after their retries."),
+        ("tokens_in", "tokens", "prompt tokens of the calls (the server's `usage`, or the HF model's count)."),
+        ("tokens_out", "tokens", "tokens the model wrote."),
+        ("seconds", "s", "wall time of the calls."))],
     # the adaptive schedule (interleave.adaptive_handler), on the step whose alarm it handled
     ("adaptive/recovery", "count", "The recovery's number in the run (1: the first)."),
     ("adaptive/rollback_to", "step", "The checkpoint it rolled back to (`step_<k>`: the weights after k "
@@ -323,6 +339,8 @@ GROUPS: dict[str, str] = {
     "ctrl": "`ctrl/`: control tokens in the update's forward, and the gradient share",
     "sup": "`sup/`: supervision signals",
     "ets": "`ets/`: the ETS (and PRS) phase after the last step of each round (`supervision.ets.every`)",
+    "judge": "`judge/`: PRS's chat-model judge, every step once it exists (counts since the process started)",
+    "hint": "`hint/`: HBG's chat-model hint writer, every step once it exists (counts since the process started)",
     "adaptive": "`adaptive/`: a recovery of the adaptive schedule (`supervision.adaptive`), on the step whose "
                 "alarm it handled",
 }

@@ -239,7 +239,7 @@ def arms_table(study: Study, lr: float) -> tuple[str, list[str], list[list[str]]
         control = study.control_of(arm) if arm.schedule != "sft_only" else None
         no_tokens = arm.schedule not in ("sft_only", "plain") and not any(x["sft_tokens"] for x in arm.finished)
         rows.append([
-            arm.setting, arm.schedule, seeds_cell(arm), pct(arm.success(study.first)),
+            arm.setting, arm.schedule + authors_cell(arm), seeds_cell(arm), pct(arm.success(study.first)),
             diff_cell(study.compare(arm, "start", study.first)),
             "-" if arm is plain or plain is None else diff_cell(study.compare(arm, plain, study.first)),
             "n/a" if no_tokens and control is None else diff_cell(study.compare(arm, control, study.first))
@@ -250,6 +250,26 @@ def arms_table(study: Study, lr: float) -> tuple[str, list[str], list[list[str]]
             f"{len(arm.collapsed)}/{len(arm.rl_runs)}" if arm.rl_runs else "no RL", phases_cell(arm),
             f"{sum(x['sft_tokens'] for x in arm.finished) / max(1, len(arm.finished)):,.0f}"])
     return _table(header, rows)
+
+
+def authors_cell(arm: Arm) -> str:
+    """`; judge openai <model>: 31/40 accepted, 40 calls, 52,000 tokens` for an arm whose PRS reflections (or HBG
+    hints) a chat model wrote, summed over its runs; an arm whose replies all fell back reads "deterministic"
+    (or "template"): that is what it trained on."""
+    s, parts = arm.cfg.supervision, []
+    for prefix, spec, on, fallback in (("judge", s.prs.judge, s.prs.enabled, "deterministic"),
+                                       ("hint", s.hbg.hint_writer, s.hbg.enabled, "template")):
+        if not on or spec.kind not in ("hf", "openai"):
+            continue
+        last = [next((r for r in reversed(rows) if f"{prefix}/calls" in r), {}) for rows in arm.metrics]
+        total = {k: sum(r.get(f"{prefix}/{k}", 0) for r in last) for k in ("accepted", "rejected", "failed", "calls",
+                                                                          "tokens_in", "tokens_out")}
+        asked = total["accepted"] + total["rejected"] + total["failed"]
+        who = f"{prefix} {spec.kind} {spec.model or spec.source}"
+        parts.append(f"{who}: {fallback} (all {asked} replies fell back)" if asked and not total["accepted"] else
+                     f"{who}: {total['accepted']}/{asked} accepted, {total['calls']} calls, "
+                     f"{total['tokens_in'] + total['tokens_out']:,} tokens")
+    return "".join(f"; {p}" for p in parts)
 
 
 def phases_cell(arm: Arm) -> str:

@@ -78,7 +78,7 @@ from toolcollapse.interleave import (FAILURES, PHASES, PhaseRunner, adaptive_han
                                      latest_per_task, log_failures, read_failures, sft_phase, trained_tokens)
 from toolcollapse.judge import Judge, load_judge
 from toolcollapse.sft import encode_tasks
-from toolcollapse.supervision import SFTTerm, StepSupervision, group_rollouts, sft_tokens_so_far
+from toolcollapse.supervision import SFTTerm, StepSupervision, group_rollouts, load_hint_writer, sft_tokens_so_far
 from toolcollapse.runtime import (STOP_FILE_ENV, StopOnSignal, append_jsonl, check_new_run_dir, check_writable,
                                   clear_run_dir, jsonl_lines, lock_dir, progress, read_jsonl, seed_everything,
                                   set_threads, storage_problem)
@@ -597,6 +597,9 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
     check_run_start(cfg, run_dir, resume, overwrite, allow_change)
     if s.sft_only_enabled:
         return run_sft_only(cfg, run_dir, resume)
+    # a chat-model judge or hint writer answers once before any work (ConfigError: a wrong address, model, key)
+    judge = judge or (load_judge(s.prs.judge) if s.prs.enabled else None)
+    hints = load_hint_writer(s.hbg) if s.hbg.enabled else None
     set_threads(cfg.threads)
     seed_everything(cfg.seed)
     done = complete_checkpoints(run_dir) if resume else []
@@ -627,7 +630,6 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
     sft_term = SFTTerm(s.sft_coef, g.micro_batch_size, tokenizer.pad_token_id) if s.sft_coef > 0 else None
     sft_tokens_total = sft_tokens_so_far(rows)
     phases = PhaseRunner(run_dir, model, engine.encoder, {t.id: t for t in order}, cfg, read_failures(run_dir))
-    judge = judge or (load_judge(s.prs.judge) if s.prs.enabled else None)
     lr_scale = next((r["adaptive/lr_scale"] for r in reversed(rows) if "adaptive/lr_scale" in r), 1.0)
     recoveries = sum("adaptive/recovery" in r for r in rows)
     save_at = lambda k: save_checkpoint(run_dir, k, model, tokenizer, optimizer,  # noqa: E731
@@ -643,7 +645,8 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
             t0 = time.time()
             engine.prefixes.clear()  # the weights moved: the rollout runs the system prompt, the probe and validation reuse it
             tasks = tasks_for_step(order, step, g.prompts_per_step)
-            episodes, kinds = group_rollouts(engine, tasks, params, g.group_size, s, seed=cfg.seed * 1_000_003 + step)
+            episodes, kinds = group_rollouts(engine, tasks, params, g.group_size, s, seed=cfg.seed * 1_000_003 + step,
+                                             hints=hints)
             t_rollout = time.time()
             probe_stats = {}  # measured on the weights the rollouts sampled from, before this step's update (step 0: the start)
             if probe is not None and step % m.probe_every == 0:
@@ -673,6 +676,9 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
             metrics = {"step": step, "lr": lr, **probe_stats, **update_stats, **row_kind_stats(episodes, kinds),
                        "seconds": time.time() - t0, "seconds_probe": t_probe - t_rollout,
                        "seconds_rollout": t_rollout - t0, "seconds_update": time.time() - t_val}
+            for author in (judge, hints):  # chat models: their reflections / hints and cost since this process started
+                if hasattr(author, "metrics"):
+                    metrics.update(author.metrics())
             if phases.ets_round_ends(step):  # part of the step: an alarm's checkpoint or rollback sees it done
                 metrics.update({f"ets/{k.removeprefix('phase/')}": v for k, v in
                                 _phase(phases, "ets", step=step, failures=phases.ets_failures(step), optimizer=optimizer).items()})

@@ -42,6 +42,8 @@ SFT phases between steps instead: interleave.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
@@ -117,6 +119,81 @@ def hint(task: Task, level: str = "plan", calls: int = 1) -> str:
     return "\n".join(lines)
 
 
+HINT_PROMPT = ("You write a short hint for an assistant about to solve a task with tools. From the reference "
+               "tool calls, say which tools to call, in which order, and what each call needs, in at most three "
+               "sentences. Never state the final answer or any tool's result.")
+MAX_HINT_CHARS = 600
+
+
+class LLMHintWriter:
+    """HBG's hints as in the paper: a chat model's summary of the ground-truth calls, after the format reminder.
+    The template hint stands in where a call fails or the summary is empty, too long (> MAX_HINT_CHARS) or
+    holds the task's answer (one the question does not hold already, as a comparison's). One hint per task, kept for the run (and the chat model's disk cache across runs)."""
+
+    def __init__(self, chat: Any, level: str = "plan", calls: int = 1, max_failures: int = 20,
+                 warn: Any = print):
+        self.chat, self.level, self.calls, self.max_failures, self.warn = chat, level, calls, max_failures, warn
+        self.hints: dict[str, str] = {}
+        self.accepted = self.rejected = self.failed = 0
+
+    def __call__(self, task: Task) -> str:
+        if task.id not in self.hints:
+            self.hints[task.id] = self._write(task)
+        return self.hints[task.id]
+
+    def _write(self, task: Task) -> str:
+        template = hint(task, self.level, self.calls)
+        if self.failed >= self.max_failures:
+            self.failed += 1
+            return template
+        calls = [m.tool_call.to_json() for m in task.reference if m.role == "assistant" and m.tool_call is not None]
+        messages = [{"role": "system", "content": HINT_PROMPT},
+                    {"role": "user", "content": f"Task: {task.prompt[-1].content}\n\nReference calls:\n"
+                                                + "\n".join(calls)}]
+        try:
+            text = self.chat(messages).text.strip()
+        except Exception as err:  # a failed call costs a hint its wording, never the step
+            self.failed += 1
+            self.warn(f"hint writer: a call failed ({err}); the template hint stands in")
+            return template
+        question = task.prompt[-1].content
+        gives_answer = bool(task.answer) and task.answer in text and task.answer not in question
+        if not text or len(text) > MAX_HINT_CHARS or gives_answer:
+            self.rejected += 1
+            return template
+        self.accepted += 1
+        return f"{FORMAT_HINT}\n{text}"
+
+    def metrics(self) -> dict[str, float]:
+        stats = getattr(self.chat, "stats", None)
+        return {"hint/accepted": self.accepted, "hint/rejected": self.rejected, "hint/failed": self.failed,
+                **(stats.as_dict("hint") if stats is not None else {})}
+
+
+def load_hint_writer(hbg: Any) -> Any:
+    """`supervision.hbg.hint_writer` as a callable task -> hint: the template, a chat model (asked once now: a
+    wrong address, model, key or source stops the run here), or `package.module:factory`'s callable."""
+    spec = hbg.hint_writer
+    if spec.kind == "template":
+        return functools.partial(_template_hint, level=hbg.level, calls=hbg.calls)
+    if spec.kind in ("hf", "openai"):
+        from toolcollapse.chat_models import chat_model
+
+        chat = chat_model(spec)
+        chat.check()
+        return LLMHintWriter(chat, hbg.level, hbg.calls, spec.max_failures)
+    module, _, name = spec.factory.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)()
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"supervision.hbg.hint_writer: cannot load {spec.factory!r} ({type(err).__name__}: {err})") \
+            from None
+
+
+def _template_hint(task: Task, level: str, calls: int) -> str:
+    return hint(task, level, calls)
+
+
 def with_hint(task: Task, text: str) -> Task:
     """The task with `text` appended to its system message (a new one first if it has none)."""
     prompt = list(task.prompt)
@@ -142,17 +219,18 @@ def without_hint(episode: Episode, prompt: Sequence[int]) -> Episode:
 
 
 def group_rollouts(engine: Any, tasks: Sequence[Task], params: Any, group_size: int, s: Any,
-                   seed: int) -> tuple[list[Episode], list[RowKind]]:
+                   seed: int, hints: Any = None) -> tuple[list[Episode], list[RowKind]]:
     """G rows per task, groups contiguous: the policy's samples, then hinted rows (HBG, re-based on the
-    hint-free prompt), then expert rows (OPS); and each row's kind. With both signals off this is
-    `engine.generate(tasks, params, group_size, seed)` exactly."""
+    hint-free prompt; `hints`: task -> hint, default the template), then expert rows (OPS); and each row's
+    kind. With both signals off this is `engine.generate(tasks, params, group_size, seed)` exactly."""
     n_expert = s.ops.rows if s.ops.enabled else 0
     n_hinted = s.hbg.rows if s.hbg.enabled else 0
     n_policy = group_size - n_expert - n_hinted
     if not n_hinted:
         sampled = engine.generate(tasks, params, group_size=n_policy, seed=seed)
     else:  # one batch: each task n_policy times, then its hinted copy n_hinted times
-        hinted = [with_hint(t, hint(t, s.hbg.level, s.hbg.calls)) for t in tasks]
+        write = hints or functools.partial(_template_hint, level=s.hbg.level, calls=s.hbg.calls)
+        hinted = [with_hint(t, write(t)) for t in tasks]
         rows = [x for t, h in zip(tasks, hinted) for x in [t] * n_policy + [h] * n_hinted]
         sampled = engine.generate(rows, params, group_size=1, seed=seed)
         prompts = {t.id: engine.prompt_ids(t) for t in tasks}

@@ -832,7 +832,7 @@ def rl_phase_data(cfg: RunConfig, tokenizer: Any, prs_target: str | None = None,
     `tool_world_dataset` or `task_dataset`): the phase's examples as `toolcollapse rl` builds them
     (`interleave.phase_examples`): each failed task's ground truth (ETS) and, with `prs_target` (reflection
     or correction), one example per failure from the judge's verdict on its rollout (`judge`: default the
-    deterministic one), rebuilt with `rollout_episode`. Rows are pre-tokenized: `input_ids` and `labels`
+    config's `supervision.prs.judge`), rebuilt with `rollout_episode`. Rows are pre-tokenized: `input_ids` and `labels`
     (-100 where the example trains nothing); SFTTrainer takes them as they are with `SFTConfig(max_length=
     None)` (its default, 1024, would cut long prompts such as BFCL's)."""
     from datasets import Dataset
@@ -840,12 +840,13 @@ def rl_phase_data(cfg: RunConfig, tokenizer: Any, prs_target: str | None = None,
     from toolcollapse.chat import PieceEncoder, generation_prompt
     from toolcollapse.envs import make_env
     from toolcollapse.interleave import Failure, judged, phase_examples
-    from toolcollapse.judge import deterministic_judge
+    from toolcollapse.judge import load_judge
 
     if prs_target not in (None, "reflection", "correction"):
         raise ValueError(f"prs_target {prs_target!r}: None (ETS), reflection or correction")
     world, encoder = make_env(cfg), PieceEncoder(tokenizer)
-    judge = judge or deterministic_judge
+    # the config's judge (supervision.prs.judge: deterministic, a chat model, a factory), asked once now
+    judge = judge or (load_judge(cfg.supervision.prs.judge) if prs_target is not None else None)
     task = _task_lookup(world, cfg)
     generation_prompt_len = len(encoder.encode(generation_prompt())[0])
 
@@ -856,15 +857,17 @@ def rl_phase_data(cfg: RunConfig, tokenizer: Any, prs_target: str | None = None,
         if any(f.get("task_id") is None for f in failures):
             raise ValueError("rl_phase_data needs each row's task_id: train on tool_world_dataset or task_dataset rows")
         tasks = {f["task_id"]: task(f["task_id"]) for f in failures}
-        ours = []
-        for f in failures:
-            failure = Failure(f["step"], f["task_id"])
-            if prs_target is not None:
-                episode = rollout_episode(tasks[f["task_id"]], f["prompt_ids"], f["completion_ids"], f["sampled"],
-                                          tokenizer, world, call_end)
-                failure = judged(failure, tasks[f["task_id"]], episode, judge, decode, generation_prompt_len)
-            ours.append(failure)
+        ours = [Failure(f["step"], f["task_id"]) for f in failures]
+        if prs_target is not None:
+            items = [(tasks[f["task_id"]], rollout_episode(tasks[f["task_id"]], f["prompt_ids"], f["completion_ids"],
+                                                           f["sampled"], tokenizer, world, call_end)) for f in failures]
+            # a chat-model judge asks for all of them at once, `concurrency` calls in flight
+            verdicts = judge.many(items, decode) if hasattr(judge, "many") else [judge(t, e, decode) for t, e in items]
+            ours = [judged(failure, task, episode, verdict, decode, generation_prompt_len)
+                    for failure, (task, episode), verdict in zip(ours, items, verdicts)]
         examples, stats = phase_examples(ours, tasks, encoder, call_end, prs_target, max_len or cfg.model.max_seq_len)
+        if hasattr(judge, "metrics"):
+            stats = {**stats, **judge.metrics()}
         rows = [{"input_ids": ids, "labels": [t if m else -100 for t, m in zip(ids, mask)]} for ids, mask in examples]
         return Dataset.from_list(rows), sum(sum(mask) for _, mask in examples), stats
 
@@ -1040,11 +1043,12 @@ def engine_rollouts(cfg: RunConfig, tokenizer: Any, split: str = "train", tasks:
     from toolcollapse.envs import make_env
     from toolcollapse.evaluate import sampling_params
     from toolcollapse.rollout import RolloutEngine
-    from toolcollapse.supervision import hint, with_hint, without_hint
+    from toolcollapse.supervision import load_hint_writer, with_hint, without_hint
 
     env = make_env(cfg)
     pool = list(tasks if tasks is not None else env.tasks(split))
     by_id = {t.id: t for t in pool}
+    writers: dict[str, Any] = {}  # HBG's hint writer, once a batch has hinted rows
     index: dict[int, Any] = {}
     for t in pool:  # two tasks with one prompt: only the rows' task_id can tell them apart
         key = _prompt_key([{"role": m.role, "content": m.content} for m in t.prompt])
@@ -1087,8 +1091,9 @@ def engine_rollouts(cfg: RunConfig, tokenizer: Any, split: str = "train", tasks:
 
         expert, hinted = flags("_expert"), flags("_hinted")
         sampled = [i for i, e in enumerate(expert) if not e]
-        h = cfg.supervision.hbg
-        prompts = [with_hint(rows[i], hint(rows[i], h.level, h.calls)) if hinted[i] else rows[i] for i in sampled]
+        if any(hinted) and "hints" not in writers:  # the config's hint writer, loaded (and asked once) at first use
+            writers["hints"] = load_hint_writer(cfg.supervision.hbg)
+        prompts = [with_hint(rows[i], writers["hints"](rows[i])) if hinted[i] else rows[i] for i in sampled]
         # G contiguous rows of a prompt: one prefill, its cache repeated (the engine's groups)
         runs = [len(list(g)) for _, g in itertools.groupby((rows[i].id, hinted[i]) for i in sampled)]
         group = runs[0] if runs and len(set(runs)) == 1 else 1
