@@ -101,8 +101,8 @@ def spec(server, tmp_path, **kw):
 
 
 def judge_with(server, tmp_path, **kw):
-    return LLMJudge(chat_model(spec(server, tmp_path, **kw)), max_failures=kw.pop("max_failures", 20),
-                    warn=lambda line: None)
+    s = spec(server, tmp_path, **kw)
+    return LLMJudge(chat_model(s), max_failures=s.max_failures, concurrency=s.concurrency, warn=lambda line: None)
 
 
 def test_read_reflection_accepts_the_four_parts_with_the_reference_calls_and_names_what_is_wrong():
@@ -179,7 +179,6 @@ def test_the_cache_answers_a_repeat_without_a_call_and_survives_a_new_process_s_
 def test_failures_of_a_step_are_judged_concurrently_in_their_order(serve, tmp_path):
     server = serve(("slow", 0.5))
     judge = judge_with(server, tmp_path, concurrency=4)
-    judge.concurrency = 4
     episodes = [_episode(GOOD_1, (_call(LOOKUP, entity=f"Bob{i}", attribute="weight_kg"), None)) for i in range(4)]
     for i, ep in enumerate(episodes):
         ep.task_id = f"t{i}"
@@ -328,3 +327,24 @@ def test_rl_with_an_unreachable_judge_exits_2_before_writing_anything(tmp_path, 
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "does not answer" in proc.stderr, proc.stderr[-2000:]
     assert not out.exists()
+
+
+def make_hint_writer():
+    return lambda task: f"hint for {task.id}"
+
+
+def make_judge():
+    return deterministic_judge
+
+
+def test_factories_give_the_judge_and_the_hint_writer_and_a_bad_one_is_named():
+    from toolcollapse.config import HBGConfig
+    from toolcollapse.supervision import load_hint_writer
+
+    writer = load_hint_writer(HBGConfig(enabled=True, hint_writer=ChatModelConfig(
+        kind="factory", factory="test_judges:make_hint_writer")))
+    assert writer(TASK) == "hint for t1"
+    assert load_judge(ChatModelConfig(kind="factory", factory="test_judges:make_judge")) is deterministic_judge
+    assert load_hint_writer(HBGConfig(enabled=True))(TASK) == hint(TASK)  # the template by default
+    with pytest.raises(ValueError, match="supervision.hbg.hint_writer: cannot load 'no_such_module:f'"):
+        load_hint_writer(HBGConfig(hint_writer=ChatModelConfig(kind="factory", factory="no_such_module:f")))

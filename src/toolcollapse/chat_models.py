@@ -135,6 +135,25 @@ class ChatModel:
         return ", ".join(f"{k}={v}" for k, v in self.identity.items() if k not in ("temperature", "max_new_tokens"))
 
 
+def answering_chat_model(spec: ChatModelConfig) -> ChatModel:
+    """`chat_model(spec)`, asked once before any work (ConfigError when it does not answer)."""
+    chat = chat_model(spec)
+    chat.check()
+    return chat
+
+
+def from_factory(spec: ChatModelConfig, key: str) -> Any:
+    """What `spec.factory` ("package.module:callable", zero arguments) returns; `key` names the config field."""
+    import importlib
+
+    module, _, name = spec.factory.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"{key}: cannot load {spec.factory!r} ({type(err).__name__}: {err})") from None
+    return factory()
+
+
 def chat_model(spec: ChatModelConfig) -> ChatModel:
     sampling = {"temperature": spec.temperature, "max_new_tokens": spec.max_new_tokens}
     if spec.kind == "openai":

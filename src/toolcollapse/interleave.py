@@ -48,7 +48,7 @@ import torch
 from tqdm.auto import tqdm
 
 from toolcollapse.chat import IM_END, Piece, PieceEncoder, conversation_pieces, tag
-from toolcollapse.judge import Judge, Verdict, judge_messages
+from toolcollapse.judge import Judge, Verdict, judge_all, judge_messages
 from toolcollapse.optim import make_optimizer
 from toolcollapse.records import CallEnd, Episode, Message, Task
 from toolcollapse.runtime import append_jsonl, read_jsonl
@@ -88,8 +88,7 @@ def collect_failures(step: int, episodes: Sequence[Episode], kinds: Sequence[str
     if judge is None:
         return [Failure(step, task_id) for task_id in first]
     items = [(tasks[task_id], ep) for task_id, ep in first.items()]
-    # a chat-model judge (judge.LLMJudge) asks for all of them at once, `concurrency` calls in flight
-    verdicts = judge.many(items, decode) if hasattr(judge, "many") else [judge(t, ep, decode) for t, ep in items]
+    verdicts = judge_all(judge, items, decode)  # a chat-model judge: `concurrency` calls in flight
     return [judged(Failure(step, ep.task_id), task, ep, verdict, decode, generation_prompt_len)
             for (task, ep), verdict in zip(items, verdicts)]
 

@@ -25,7 +25,6 @@ writes the reflection while the deterministic judge still locates the turn.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import re
 import threading
@@ -287,16 +286,17 @@ def load_judge(spec: Any) -> Judge:
         spec = ChatModelConfig(**spec)
     if spec.kind == "deterministic":
         return deterministic_judge
-    if spec.kind in ("hf", "openai"):
-        from toolcollapse.chat_models import chat_model
+    from toolcollapse.chat_models import answering_chat_model, from_factory
 
-        chat = chat_model(spec)
-        chat.check()
+    if spec.kind in ("hf", "openai"):
         # a server takes `concurrency` calls at once; a local model generates one at a time (its lock)
-        return LLMJudge(chat, spec.max_failures, spec.concurrency if spec.kind == "openai" else 1)
-    module, _, name = spec.factory.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"supervision.prs.judge: cannot load {spec.factory!r} ({type(err).__name__}: {err})") from None
-    return factory()
+        return LLMJudge(answering_chat_model(spec), spec.max_failures,
+                        spec.concurrency if spec.kind == "openai" else 1)
+    return from_factory(spec, "supervision.prs.judge")
+
+
+def judge_all(judge: Judge, items: Sequence[tuple[Task, Episode]], decode: Callable[[Sequence[int]], str]) -> list[Verdict]:
+    """The verdicts on many failures, in order: a chat-model judge (`LLMJudge.many`) asks for them at once,
+    `concurrency` calls in flight; any other judge one by one."""
+    many = getattr(judge, "many", None)
+    return many(items, decode) if many is not None else [judge(task, ep, decode) for task, ep in items]

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
@@ -175,23 +174,12 @@ def load_hint_writer(hbg: Any) -> Any:
     wrong address, model, key or source stops the run here), or `package.module:factory`'s callable."""
     spec = hbg.hint_writer
     if spec.kind == "template":
-        return functools.partial(_template_hint, level=hbg.level, calls=hbg.calls)
+        return functools.partial(hint, level=hbg.level, calls=hbg.calls)
+    from toolcollapse.chat_models import answering_chat_model, from_factory
+
     if spec.kind in ("hf", "openai"):
-        from toolcollapse.chat_models import chat_model
-
-        chat = chat_model(spec)
-        chat.check()
-        return LLMHintWriter(chat, hbg.level, hbg.calls, spec.max_failures)
-    module, _, name = spec.factory.partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)()
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"supervision.hbg.hint_writer: cannot load {spec.factory!r} ({type(err).__name__}: {err})") \
-            from None
-
-
-def _template_hint(task: Task, level: str, calls: int) -> str:
-    return hint(task, level, calls)
+        return LLMHintWriter(answering_chat_model(spec), hbg.level, hbg.calls, spec.max_failures)
+    return from_factory(spec, "supervision.hbg.hint_writer")
 
 
 def with_hint(task: Task, text: str) -> Task:
@@ -229,7 +217,7 @@ def group_rollouts(engine: Any, tasks: Sequence[Task], params: Any, group_size: 
     if not n_hinted:
         sampled = engine.generate(tasks, params, group_size=n_policy, seed=seed)
     else:  # one batch: each task n_policy times, then its hinted copy n_hinted times
-        write = hints or functools.partial(_template_hint, level=s.hbg.level, calls=s.hbg.calls)
+        write = hints or functools.partial(hint, level=s.hbg.level, calls=s.hbg.calls)
         hinted = [with_hint(t, write(t)) for t in tasks]
         rows = [x for t, h in zip(tasks, hinted) for x in [t] * n_policy + [h] * n_hinted]
         sampled = engine.generate(rows, params, group_size=1, seed=seed)

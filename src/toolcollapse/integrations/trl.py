@@ -840,7 +840,7 @@ def rl_phase_data(cfg: RunConfig, tokenizer: Any, prs_target: str | None = None,
     from toolcollapse.chat import PieceEncoder, generation_prompt
     from toolcollapse.envs import make_env
     from toolcollapse.interleave import Failure, judged, phase_examples
-    from toolcollapse.judge import load_judge
+    from toolcollapse.judge import judge_all, load_judge
 
     if prs_target not in (None, "reflection", "correction"):
         raise ValueError(f"prs_target {prs_target!r}: None (ETS), reflection or correction")
@@ -861,8 +861,7 @@ def rl_phase_data(cfg: RunConfig, tokenizer: Any, prs_target: str | None = None,
         if prs_target is not None:
             items = [(tasks[f["task_id"]], rollout_episode(tasks[f["task_id"]], f["prompt_ids"], f["completion_ids"],
                                                            f["sampled"], tokenizer, world, call_end)) for f in failures]
-            # a chat-model judge asks for all of them at once, `concurrency` calls in flight
-            verdicts = judge.many(items, decode) if hasattr(judge, "many") else [judge(t, e, decode) for t, e in items]
+            verdicts = judge_all(judge, items, decode)  # a chat-model judge: `concurrency` calls in flight
             ours = [judged(failure, task, episode, verdict, decode, generation_prompt_len)
                     for failure, (task, episode), verdict in zip(ours, items, verdicts)]
         examples, stats = phase_examples(ours, tasks, encoder, call_end, prs_target, max_len or cfg.model.max_seq_len)
