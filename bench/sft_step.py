@@ -29,7 +29,7 @@ from toolcollapse.config import load_config
 from toolcollapse.envs import make_env
 from toolcollapse.model import load_model, load_tokenizer, place
 from toolcollapse.optim import make_optimizer
-from toolcollapse.sft import batch_logits, encode_tasks, encode_without_system_prompt
+from toolcollapse.encoding import batch_logits, encode_tasks, encode_without_system_prompt
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ def test_resolve_device(monkeypatch):
 
 def test_bfloat16_runs_the_forward_in_bfloat16_with_float32_weights(tiny_model, tokenizer, world):
     from toolcollapse.chat import PieceEncoder
-    from toolcollapse.sft import collate, encode_tasks
+    from toolcollapse.encoding import collate, encode_tasks
 
     examples = encode_tasks(PieceEncoder(tokenizer), world.tasks("train")[:3])
     ids, select = collate(examples, tokenizer.pad_token_id)

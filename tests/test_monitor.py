@@ -5,7 +5,7 @@ import torch
 
 from toolcollapse.chat import CONTROL_TAGS, IM_END, TOOL_CALL, TOOL_CALL_END, PieceEncoder
 from toolcollapse.monitor import Slot, build_probe, control_token_stats, resolve_token_ids, run_probe, slots
-from toolcollapse.sft import encode_tasks
+from toolcollapse.encoding import encode_tasks
 
 TC, TCE, END = 1, 2, 3  # token ids of <tool_call>, </tool_call>, <|im_end|> in the hand-built sequences
 

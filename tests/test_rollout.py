@@ -298,7 +298,7 @@ def test_a_prefix_cache_runs_the_system_prompt_once_for_a_steps_rollouts_probe_a
     from toolcollapse.chat import CONTROL_TAGS, PieceEncoder
     from toolcollapse.model import PrefixCache
     from toolcollapse.monitor import build_probe, content_labels, resolve_token_ids, run_probe
-    from toolcollapse.sft import encode_tasks
+    from toolcollapse.encoding import encode_tasks
 
     encoder = PieceEncoder(tokenizer)
     probe_tasks = world.tasks("train")[:4]

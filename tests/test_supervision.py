@@ -15,7 +15,7 @@ from toolcollapse.chat import PieceEncoder
 from toolcollapse.config import GRPOConfig
 from toolcollapse.rl import build_batch, grpo_update
 from toolcollapse.rollout import RolloutEngine, SamplingParams
-from toolcollapse.sft import batch_logits, encode_tasks
+from toolcollapse.encoding import batch_logits, encode_tasks
 from toolcollapse.supervision import SFTTerm
 
 

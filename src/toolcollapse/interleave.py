@@ -52,7 +52,7 @@ from toolcollapse.judge import Judge, Verdict, judge_all, judge_messages
 from toolcollapse.optim import make_optimizer
 from toolcollapse.records import CallEnd, Episode, Message, Task
 from toolcollapse.runtime import append_jsonl, read_jsonl
-from toolcollapse.sft import Example, encode_tasks
+from toolcollapse.encoding import Example, encode_tasks
 from toolcollapse.supervision import SFTTerm
 
 FAILURES = "failures.jsonl"

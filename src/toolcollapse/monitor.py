@@ -47,6 +47,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from toolcollapse.chat import ENDOFTEXT, IM_END, IM_START, TOOL_CALL, TOOL_CALL_END, TOOL_RESPONSE, TOOL_RESPONSE_END
+from toolcollapse.encoding import Example, collate
 from toolcollapse.model import PrefixCache, device_of, logits_after, logits_at, shared_prefix_len
 
 
@@ -266,12 +267,10 @@ class ProbeSet:
     content_of: torch.Tensor  # [M] Content of that token (NO_CONTENT for structure)
 
 
-def build_probe(examples: Sequence[tuple[list[int], list[int]]], pad_id: int, token_ids: Mapping[str, int],
+def build_probe(examples: Sequence[Example], pad_id: int, token_ids: Mapping[str, int],
                 content: Sequence[Sequence[int]] | None = None) -> ProbeSet:
     """The probe set, its rows sorted by length (`run_probe` runs them in chunks of similar length).
     `content`: each example's `content_labels` (None: no content statistics)."""
-    from toolcollapse.sft import collate
-
     if content is None:
         content = [[NO_CONTENT] * sum(m[1:]) for _, m in examples]
     order = sorted(range(len(examples)), key=lambda i: len(examples[i][0]))

@@ -77,7 +77,7 @@ from toolcollapse.rollout import MIN_GROUP_SHARED, RolloutEngine
 from toolcollapse.interleave import (FAILURES, PHASES, PhaseRunner, adaptive_handler, collect_failures,
                                      latest_per_task, log_failures, read_failures, sft_phase, trained_tokens)
 from toolcollapse.judge import Judge, load_judge
-from toolcollapse.sft import encode_tasks
+from toolcollapse.encoding import encode_tasks
 from toolcollapse.supervision import SFTTerm, StepSupervision, group_rollouts, load_hint_writer, sft_tokens_so_far
 from toolcollapse.runtime import (STOP_FILE_ENV, StopOnSignal, append_jsonl, check_new_run_dir, check_writable,
                                   clear_run_dir, jsonl_lines, lock_dir, progress, read_jsonl, seed_everything,

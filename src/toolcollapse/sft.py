@@ -28,17 +28,17 @@ import random
 import time
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from toolcollapse.chat import IM_START, PieceEncoder
 from toolcollapse.config import ConfigError, RunConfig, dump_config, sft_tasks_read
+from toolcollapse.encoding import Example, batch_logits, encode_tasks, length_grouped_batches, warmup_examples
 from toolcollapse.envs import make_env
 from toolcollapse.losses import sft_loss
-from toolcollapse.model import build_model, device_of, logits_at, n_params, place, resolve_device, shared_prefix_len
+from toolcollapse.model import build_model, n_params, place, resolve_device
 from toolcollapse.optim import lr_at, make_optimizer, set_lr
-from toolcollapse.records import CallEnd, Task
 from toolcollapse.runtime import (append_jsonl, check_new_run_dir, clear_run_dir, lock_dir, progress, seed_everything,
                                   set_threads)
 from toolcollapse.sources import SCRATCH, apply_lora, load_pretrained, merged
@@ -46,73 +46,7 @@ from toolcollapse.tokenizer import train_tokenizer
 
 CONFIG_FILE = "toolcollapse.yaml"
 FINISHED = "SFT_COMPLETE"  # written after everything else: `study` reuses an SFT directory only with it
-Example = tuple[list[int], list[int]]  # (token ids, trainable mask)
 TOKEN_KINDS = ("digit", "word", "structure")
-
-
-def encode_tasks(encoder: PieceEncoder, tasks: Sequence[Task], call_end: CallEnd = "template") -> list[Example]:
-    return [encoder.encode_conversation(list(t.prompt) + list(t.reference), call_end) for t in tasks]
-
-
-def encode_first_calls(encoder: PieceEncoder, tasks: Sequence[Task], call_end: CallEnd = "template") -> list[Example]:
-    """The copy warm-up's examples: each task's user question and first assistant turn, no system prompt."""
-    return [encoder.encode_conversation([t.prompt[-1], t.reference[0]], call_end) for t in tasks]
-
-
-def encode_without_system_prompt(encoder: PieceEncoder, tasks: Sequence[Task],
-                                 call_end: CallEnd = "template") -> list[Example]:
-    """Whole conversations minus the system prompt: names *and* numbers to copy, in ~1/4 of the tokens."""
-    return [encoder.encode_conversation([t.prompt[-1], *t.reference], call_end) for t in tasks]
-
-
-def warmup_examples(encoder: PieceEncoder, tasks: Sequence[Task], content: str,
-                    call_end: CallEnd = "template") -> list[Example]:
-    """The copy warm-up's data: first calls, whole conversations without the system prompt, or half of each."""
-    if content == "first_call":
-        return encode_first_calls(encoder, tasks, call_end)
-    if content == "no_system_prompt":
-        return encode_without_system_prompt(encoder, tasks, call_end)
-    half = len(tasks) // 2
-    return (encode_first_calls(encoder, tasks[:half], call_end)
-            + encode_without_system_prompt(encoder, tasks[half:], call_end))
-
-
-def collate(examples: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ids [B, T] and the positions whose *next* token is trained [B, T]."""
-    width = max(len(ids) for ids, _ in examples)
-    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    select = torch.zeros((len(examples), width), dtype=torch.bool)
-    for i, (x, m) in enumerate(examples):
-        ids[i, :len(x)] = torch.tensor(x)
-        select[i, :len(x) - 1] = torch.tensor(m[1:], dtype=torch.bool)
-    return ids, select
-
-
-def length_grouped_batches(examples: Sequence[Example], batch_size: int, rng: random.Random,
-                           group: int = 16) -> Iterator[list[Example]]:
-    """Endless shuffled batches; with group > 1, of similar lengths: draw `group` batches'
-    worth of examples, sort by length, cut, shuffle the batches (padding ~30 % -> ~3 %)."""
-    order: list[int] = []
-    while True:
-        while len(order) < batch_size * group:
-            order += rng.sample(range(len(examples)), len(examples))
-        pool = order[:batch_size * group]
-        del order[:batch_size * group]
-        if group > 1:
-            pool.sort(key=lambda i: len(examples[i][0]))
-        chunks = [pool[i:i + batch_size] for i in range(0, len(pool), batch_size)]
-        rng.shuffle(chunks)
-        for chunk in chunks:
-            yield [examples[i] for i in chunk]
-
-
-def batch_logits(model: Any, examples: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits [M, V] at the trained positions and their targets [M]; a shared prefix is run once."""
-    device = device_of(model)
-    ids, select = (t.to(device) for t in collate(examples, pad_id))
-    targets = ids[:, 1:][select[:, :-1]]  # [M]
-    prefix = shared_prefix_len([x for x, _ in examples])
-    return logits_at(model, ids, select, prefix), targets
 
 
 def token_kinds(example: Example, tokenizer: Any) -> list[str]:

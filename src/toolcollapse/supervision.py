@@ -49,7 +49,7 @@ from typing import Any, Literal, Sequence
 import torch.nn.functional as F
 
 from toolcollapse.records import Episode, Message, Task
-from toolcollapse.sft import Example, batch_logits
+from toolcollapse.encoding import Example, batch_logits
 
 RowKind = Literal["policy", "hinted", "expert"]
 
