@@ -16,7 +16,7 @@ and checks that both sides wrote the same tokens.
     python bench/group_share.py --prompts        # BFCL train prompts' lengths and what a batch shares
     python bench/group_share.py --update --tasks 2 --group-size 4 --max-new-tokens 16   # the update's side
 
-`--update`: on the same rollouts, the reference pass and one GRPO update (`rl.update_plan`) with
+`--update`: on the same rollouts, the reference pass and one GRPO update (`update.update_plan`) with
 micro-batches by prompt, each running its rows' prompt once, vs the batch's 213-token prefix once and
 micro-batches by length (each row its own copy of the rest of its prompt); the gradients are compared.
     python bench/group_share.py --device cuda --dtype bfloat16 --tasks 12 --group-size 8   # on a GPU
@@ -141,32 +141,32 @@ def update_side(model, tokenizer, env, tasks, params, group_size: int, rounds: i
     """The reference pass and one update on the same rollouts, micro-batches by prompt vs by length."""
     import copy
 
-    from toolcollapse import rl
+    from toolcollapse import update
     from toolcollapse.config import GRPOConfig
 
     episodes = RolloutEngine(model, tokenizer, env).generate(tasks, params, group_size=group_size, seed=0)
     advantages = torch.linspace(-1, 1, len(episodes))
-    batch = rl.build_batch(episodes, advantages, tokenizer.pad_token_id, rl.device_of(model))
+    batch = update.build_batch(episodes, advantages, tokenizer.pad_token_id, update.device_of(model))
     g = GRPOConfig(micro_batch_size=group_size, grad_clip=1e9)
-    threshold = rl.MIN_GROUP_SHARED
+    threshold = update.MIN_GROUP_SHARED
     seconds: dict[str, list[float]] = defaultdict(list)
     grads = {}
     for r in range(rounds):
         for by_prompt in ((True, False) if r % 2 == 0 else (False, True)):
-            rl.MIN_GROUP_SHARED = threshold if by_prompt else 10 ** 9
+            update.MIN_GROUP_SHARED = threshold if by_prompt else 10 ** 9
             side = "by prompt" if by_prompt else "by length"
             t0 = time.perf_counter()
             with torch.no_grad():
-                ref = rl.reference_logprobs(model, batch, g)
+                ref = update.reference_logprobs(model, batch, g)
             seconds[f"{side} reference"].append(time.perf_counter() - t0)
             policy = copy.deepcopy(model).train()
             opt = torch.optim.SGD(policy.parameters(), lr=0.0)
             step = opt.step
             opt.step = lambda: grads.setdefault(side, [p.grad.clone() for p in policy.parameters()]) and step()
             t0 = time.perf_counter()
-            rl.grpo_update(policy, ref, opt, batch, g)
+            update.grpo_update(policy, ref, opt, batch, g)
             seconds[f"{side} update"].append(time.perf_counter() - t0)
-    rl.MIN_GROUP_SHARED = threshold
+    update.MIN_GROUP_SHARED = threshold
     diff = max(float((a - b).abs().max()) for a, b in zip(grads["by prompt"], grads["by length"]))
     scale = max(float(b.abs().max()) for b in grads["by length"])
     print(f"{len(batch)} rows, {int(batch.target_mask.sum())} sampled tokens, {batch.input_ids.shape[1]} columns; "
@@ -256,13 +256,13 @@ def main() -> None:
 
 
 def recompute_side(model, tokenizer, episodes, kinds, g, rounds: int) -> None:
-    """The hinted rows' old log-probs on their hint-free prompt (`rl.recompute_old_logprobs`), planned as
+    """The hinted rows' old log-probs on their hint-free prompt (`update.recompute_old_logprobs`), planned as
     the update's (by prompt: a task's hinted rows run its prompt once) vs as before (in row order, each row
     its whole prompt past the batch's prefix; `bench/supervised_step.py` keeps that function)."""
     import sys
     from pathlib import Path
 
-    from toolcollapse import rl
+    from toolcollapse import update
 
     sys.path.insert(0, str(Path(__file__).parent))
     from supervised_step import old_recompute
@@ -271,9 +271,9 @@ def recompute_side(model, tokenizer, episodes, kinds, g, rounds: int) -> None:
     seconds: dict[str, list[float]] = defaultdict(list)
     got = {}
     for r in range(rounds):
-        sides = (("before", old_recompute), ("planned", rl.recompute_old_logprobs))
+        sides = (("before", old_recompute), ("planned", update.recompute_old_logprobs))
         for name, run in (sides if r % 2 == 0 else sides[::-1]):
-            batch = rl.build_batch(episodes, torch.zeros(len(episodes)), tokenizer.pad_token_id, rl.device_of(model))
+            batch = update.build_batch(episodes, torch.zeros(len(episodes)), tokenizer.pad_token_id, update.device_of(model))
             t0 = time.perf_counter()
             run(model, batch, rows, g)
             seconds[name].append(time.perf_counter() - t0)

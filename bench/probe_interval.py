@@ -10,6 +10,10 @@ their lead; on the runs that lost skill (validation success down 30 %) those tha
 and their lead to its halving; and the false alarms on the runs without the event. Leads in steps.
 
     python bench/probe_interval.py configs/study/probe_interval.yaml
+
+The schedule that probed densely while a detector neared its threshold (`--adaptive`, docs/LOG.md
+2026-12-05 (6): it lost the skill warnings) was removed with the detectors' `level` in issue 19; it runs at
+revision b6b1319.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import argparse
 from pathlib import Path
 
 from toolcollapse import alarms
-from toolcollapse.alarms import Cusum, Watcher, content_rules, control_rules, run_rules
+from toolcollapse.alarms import Cusum, content_rules, control_rules
 from toolcollapse.diagnose import format_lead_table, lead_table
 from toolcollapse.runtime import read_jsonl
 from toolcollapse.sweep import load_sweep
@@ -33,20 +37,6 @@ def unprobed(row: dict) -> dict:
     return {key: v for key, v in row.items() if not key.startswith("probe/")}
 
 
-def probed_adaptively(rows: list[dict], rules: list, dense: int, quiet: int, escalate: float) -> list[dict]:
-    """The rows as a run would have logged them that probed `dense` steps after a probe while some alarm
-    rule's detector stood at `escalate` of its threshold or more (`Watcher.pressure`), else `quiet` steps
-    after (a schedule measured here and not built into `rl`: docs/LOG.md, 2026-12-05 (6))."""
-    watcher, out, due = Watcher(rules), [], 0
-    for r in rows:
-        row = r if r["step"] >= due else unprobed(r)
-        watcher.update(int(r["step"]), row)
-        if row is r:
-            due = r["step"] + (dense if watcher.pressure >= escalate else quiet)
-        out.append(row)
-    return out
-
-
 class CusumPerObservation(Cusum):
     """CUSUM as it was before 2026-12-05 (6): every observation counts once, however many steps since the last."""
 
@@ -58,8 +48,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("sweep")
     ap.add_argument("--every", type=int, nargs="*", default=[1, 2, 3, 4])
-    ap.add_argument("--adaptive", nargs="*", default=[], metavar="DENSE:QUIET:ESCALATE",
-                    help="probe schedules that follow the alarms' detectors (probed_adaptively), e.g. 2:4:0.5")
     ap.add_argument("--cusum-per-observation", action="store_true",
                     help="the content rules' CUSUM as before: an observation counts once, not once per step")
     args = ap.parse_args()
@@ -76,10 +64,6 @@ def main() -> None:
         runs.append((str(spec.run_dir), rows))
     m = specs[0].cfg.monitor
     schedules = {f"every {k} step(s)": (lambda rows, k=k: probed_every(rows, k)) for k in args.every}
-    for text in args.adaptive:
-        dense, quiet, escalate = text.split(":")
-        schedules[f"every {dense} at {escalate} of a threshold, else every {quiet}"] = (
-            lambda rows, d=int(dense), q=int(quiet), e=float(escalate): probed_adaptively(rows, run_rules(m), d, q, e))
     panel = {"control tokens + content (the defaults)": control_rules(m) + content_rules(m),
              "control tokens": control_rules(m), "content": content_rules(m)}
     for label, schedule in schedules.items():

@@ -6,7 +6,7 @@ The study configuration of `bench/rl_step.py` (4 prompts x G 8, 1 thread) with a
         prefilled every row's prompt (`rollout.SHARE_PROMPTS = False`: a prefill per row, which is what
         group_size 1 did); the hinted and expert rows' old log-probs recomputed in micro-batches in row
         order, each padded to the batch's longest row, their prefix run per micro-batch (kept below)
-  new:  each distinct prompt prefilled once; the recompute planned as the update's (`rl.plan_rows`)
+  new:  each distinct prompt prefilled once; the recompute planned as the update's (`update.plan_rows`)
 Each round runs `--steps` steps of `run_rl` both ways from the same checkpoint and seed, in alternating
 order. The first step trains on the same rollouts on both sides (its reward, healthy rate and tokens an
 episode are printed for both); the recomputed log-probs then differ in rounding, so later steps drift.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from toolcollapse import rl, rollout
+from toolcollapse import rollout, update
 
 sys.path.insert(0, str(Path(__file__).parent))
 import rl_step  # noqa: E402
@@ -35,12 +35,12 @@ SETTINGS = {"hbg": ["supervision.hbg.enabled=true"],
 
 @torch.no_grad()
 def old_recompute(model, batch, rows, g, temperature=1.0) -> None:
-    """`rl.recompute_old_logprobs` before: micro-batches in row order, uncut, the prefix run in each."""
+    """`update.recompute_old_logprobs` before: micro-batches in row order, uncut, the prefix run in each."""
     index = torch.tensor(list(rows), device=batch.input_ids.device)
     old = batch.old_logp[index]
     for start in range(0, len(index), g.micro_batch_size):
         part = batch.rows(index[start:start + g.micro_batch_size])
-        old[start:start + len(part)][part.target_mask] = rl.policy_logprobs(model, part, temperature)[0]
+        old[start:start + len(part)][part.target_mask] = update.policy_logprobs(model, part, temperature)[0]
     batch.old_logp[index] = old
 
 
@@ -52,7 +52,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.time()
-    new_recompute = rl.recompute_old_logprobs
+    new_recompute = update.recompute_old_logprobs
     spent: list[float] = []
 
     def timed(run):
@@ -68,11 +68,11 @@ def main() -> None:
         for k in range(args.rounds):
             for name in (("old", "new") if k % 2 == 0 else ("new", "old")):
                 rollout.SHARE_PROMPTS = name == "new"
-                rl.recompute_old_logprobs = timed(old_recompute if name == "old" else new_recompute)
+                update.recompute_old_logprobs = timed(old_recompute if name == "old" else new_recompute)
                 spent.clear()
                 rows[name].append(rl_step.run(args.checkpoint, args.steps, extra))
                 recompute[name] += spent[1:]
-        rollout.SHARE_PROMPTS, rl.recompute_old_logprobs = True, new_recompute
+        rollout.SHARE_PROMPTS, update.recompute_old_logprobs = True, new_recompute
         first = {name: [(r[0]["reward_mean"], round(r[0]["healthy_rate"], 4), r[0]["response_tokens"]) for r in runs]
                  for name, runs in rows.items()}
         print(f"{setting}: step 0 (reward, healthy rate, sampled tokens an episode): old {first['old']}, "

@@ -90,7 +90,8 @@ def main() -> None:
                                                tool_world_environment, tool_world_reward, train_interleaved)
     from toolcollapse.model import load_model, load_tokenizer
     from toolcollapse.rl import task_order
-    from toolcollapse.sources import apply_lora, merged, ready_for_chatml, token_ids
+    from toolcollapse.sources import apply_lora, merged
+    from toolcollapse.tags import ready_for_chatml, token_ids
 
     own = Path(args.checkpoint) / "toolcollapse.yaml"
     config = args.config or (own if own.is_file() else "configs/tiny_rl.yaml")

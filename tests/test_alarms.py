@@ -73,34 +73,6 @@ def test_watcher_skips_absent_steps_and_alarms_once_per_rule():
     assert [(a.step, a.rule.series, a.value) for a in replay(rules, rows)] == [(2, "probe/x", 0.5), (3, "y", 1.0)]
 
 
-def test_pressure_is_the_nearest_rules_statistic_over_its_threshold_where_it_may_fire():
-    z = RobustZ(threshold=8.0, warmup=1, min_scale=0.01, direction=-1)
-    z.update(1.0)
-    assert z.level == 0.0  # the warm-up
-    z.update(0.96)  # median 1.0, scale floored at 0.01: z = -4, half the threshold
-    assert z.level == pytest.approx(0.5)
-    z.update(1.5)  # a rise, the other way: nothing
-    assert z.level == 0.0
-    c = Cusum(threshold=10.0, drift=1.5, warmup=1, min_scale=0.01, direction=-1)
-    for x, s in ((1.0, 0.0), (0.95, 3.5), (0.92, 3.5 + 8 - 1.5)):  # S = S + (-z) - drift
-        c.update(x)
-        assert c.level == pytest.approx(s / 10.0)
-    rules = [Rule("probe/a", warmup=1, min_scale=0.25, scale="logodds", floor=1e-3),
-             Rule("probe/b", detector="cusum", direction=-1, warmup=1, min_scale=0.01)]
-    w = Watcher(rules)
-    w.update(0, {"probe/a": 1e-6, "probe/b": -1.0})
-    w.update(1, {"probe/a": 1e-5, "probe/b": -1.02})  # a: x10 in odds, but below its floor: 0
-    assert w.pressure == pytest.approx(0.05)  # b: (2 - 1.5) / 10
-    w.update(2, {"step": 2})  # no probe: the levels stand
-    assert w.pressure == pytest.approx(0.05)
-    w.update(3, {"probe/a": 1.1e-3, "probe/b": -1.02})  # a above its floor, z = (ln odds ratio) / 0.25
-    logodds = lambda p: math.log(p / (1 - p))  # noqa: E731
-    za = (logodds(1.1e-3) - logodds(1e-6)) / 0.25  # median and MAD of two: the lower middle (torch); MAD 0: the floor
-    assert w.pressure == pytest.approx(za / 8.0) and za / 8.0 > 1  # it fires, too
-    w.rearm()
-    assert w.pressure == 0.0
-
-
 def test_cusum_sums_in_steps_so_a_sparse_probe_sees_a_shift_when_a_dense_one_does():
     rule = Rule("probe/content/answer/logp", detector="cusum", direction=-1, warmup=1, min_scale=0.01)
     shift = lambda step: 0.0 if step == 0 else -0.05  # noqa: E731  z = -5: S grows 3.5 a step, fires above 10

@@ -86,7 +86,9 @@ def test_sft_rl_and_eval_on_explicit_cpu(tmp_path, dtype):
     import shutil
     from dataclasses import replace
 
-    from toolcollapse.rl import resume_config, run_rl
+    from toolcollapse.rl import run_rl
+
+    from toolcollapse.rundir import resume_config
 
     shutil.rmtree(step2)
     run_rl(replace(resume_config(rl), device="auto"), rl, resume=True)

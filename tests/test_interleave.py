@@ -236,7 +236,9 @@ def test_ets_and_prs_rounds_in_a_run_collect_train_and_resume(tmp_path, tiny_che
     SFT total; a run resumed mid-round rebuilds the same phase from failures.jsonl."""
     from test_rl import _rl_config
 
-    from toolcollapse.rl import resume_config, run_rl, task_order, tasks_for_step
+    from toolcollapse.rl import run_rl, task_order, tasks_for_step
+
+    from toolcollapse.rundir import resume_config
     from toolcollapse.runtime import read_jsonl
 
     config = _rl_config(tmp_path, tiny_checkpoint)

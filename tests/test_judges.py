@@ -254,7 +254,9 @@ def test_a_prs_run_asks_the_served_judge_and_a_resumed_run_reads_its_cache(serve
 
     from test_rl import _rl_config
 
-    from toolcollapse.rl import resume_config, run_rl
+    from toolcollapse.rl import run_rl
+
+    from toolcollapse.rundir import resume_config
     from toolcollapse.runtime import read_jsonl
 
     monkeypatch.setenv("JUDGE_KEY", "sk-secret-456")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from toolcollapse.config import GRPOConfig, RunConfig, WorldConfig, dump_config
-from toolcollapse.rl import build_batch, grpo_update, policy_logprobs
+from toolcollapse.update import build_batch, grpo_update, policy_logprobs
 from toolcollapse.rollout import RolloutEngine, SamplingParams
 
 TIMING_KEYS = {"seconds", "seconds_probe", "seconds_val", "seconds_rollout", "seconds_update", "ets/seconds",
@@ -123,7 +123,7 @@ def test_the_prefix_run_once_for_all_micro_batches_gives_the_same_gradient(tiny_
     """`grpo.prefix_once`: the system prompt runs once an update, its keys' and values' gradients from every
     micro-batch summed and sent back through it once -- the gradient of running it in each micro-batch.
     "one row twice": the rows share everything, sampled tokens too, so the prefix stops before the first."""
-    from toolcollapse.rl import batch_prefix, reference_logprobs
+    from toolcollapse.update import batch_prefix, reference_logprobs
 
     episodes, adv = ([rollouts[0]] * 2, [1.0, -0.5]) if rows == "one row twice" else (rollouts, [1.0, -0.5, 0.2, -1.0,
                                                                                                  0.3, 0.0])
@@ -153,7 +153,7 @@ def test_micro_batches_by_prompt_where_prompts_are_long_give_the_same_update(tin
     update's -- as the batch's prefix once and micro-batches by length."""
     import copy
 
-    from toolcollapse import rl
+    from toolcollapse import update as upd
     from toolcollapse.model import shared_prefix_len
     from toolcollapse.records import PolicyBatch
 
@@ -175,22 +175,22 @@ def test_micro_batches_by_prompt_where_prompts_are_long_give_the_same_update(tin
     g = GRPOConfig(micro_batch_size=2, kl_coef=1.0, grad_clip=1e9)
 
     def update():
-        prefix, parts = rl.update_plan(tiny_model, batch, g)
+        prefix, parts = upd.update_plan(tiny_model, batch, g)
         model = copy.deepcopy(tiny_model).train()
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         captured, step = {}, opt.step
         opt.step = lambda: captured.setdefault("g", [p.grad.clone() for p in model.parameters()]) and step()
         with torch.no_grad():
-            ref = rl.reference_logprobs(reference, batch, g)
+            ref = upd.reference_logprobs(reference, batch, g)
         grpo_update(model, ref, opt, batch, g)
         return prefix, parts, captured["g"]
 
     prefix, parts, by_prompt = update()
     assert prefix is None and len(parts) == 6  # each prompt's 3 rows in micro-batches of 2 and 1
     assert all(shared_prefix_len([r.tolist() for r in mb.input_ids]) >= 340 for mb in parts if len(mb) > 1)
-    one_each = rl.update_plan(tiny_model, batch.rows(torch.tensor([0, 3, 6])), g)  # a row a prompt: nothing shared
+    one_each = upd.update_plan(tiny_model, batch.rows(torch.tensor([0, 3, 6])), g)  # a row a prompt: nothing shared
     assert one_each[0] is not None and len(one_each[1]) == 2
-    monkeypatch.setattr(rl, "MIN_GROUP_SHARED", 10 ** 6)
+    monkeypatch.setattr(upd, "MIN_GROUP_SHARED", 10 ** 6)
     prefix, parts, by_length = update()
     assert prefix is not None and prefix.length == 40
     for a, b in zip(by_prompt, by_length):
@@ -201,7 +201,7 @@ def test_recomputed_old_logprobs_land_on_their_own_rows_whatever_the_plan(tiny_m
     """`recompute_old_logprobs` (hinted and expert rows) runs its rows as the update would, sorted by length
     into micro-batches and cut, the prefix once: each recomputed row gets its own log-probs (a forward of
     it alone) and every other row keeps its old ones."""
-    from toolcollapse.rl import recompute_old_logprobs
+    from toolcollapse.update import recompute_old_logprobs
 
     engine = RolloutEngine(tiny_model, tokenizer, world)
     eps = engine.generate(world.tasks("train")[:3], SamplingParams(max_turns=3, max_new_tokens=16), group_size=2, seed=4)
@@ -351,7 +351,7 @@ def test_a_new_run_replaces_an_old_one_only_with_overwrite_and_resume_keeps_its_
 
 
 def test_group_slices_hold_whole_groups_in_batch_order():
-    from toolcollapse.rl import group_slices
+    from toolcollapse.update import group_slices
 
     assert group_slices(24, 4, 3) == [(0, 8), (8, 16), (16, 24)]
     assert group_slices(8, 8, 1) == [(0, 8)]
@@ -381,7 +381,7 @@ def test_mini_batches_take_one_optimizer_step_each_and_the_ratio_moves_after_the
     """`grpo.mini_batches: 2` on 2 groups of 3: two optimizer steps; the first sees ratio 1 (the sampling
     policy's log-probs), the second a policy one step away, so its ratio leaves 1. With one mini-batch the
     ratio stays 1 (the control)."""
-    from toolcollapse.rl import policy_step
+    from toolcollapse.update import policy_step
 
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
     out = {}

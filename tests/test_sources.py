@@ -21,6 +21,7 @@ from toolcollapse.model import load_model
 from toolcollapse.records import Message, ToolCall
 from toolcollapse.runtime import read_jsonl
 from toolcollapse.sources import ModelSourceError, load_pretrained
+from toolcollapse.tags import ready_for_chatml
 
 ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
@@ -213,7 +214,7 @@ def test_non_special_tags_are_made_special_so_tool_output_cannot_inject_them(tin
     tag_id = tokenizer.convert_tokens_to_ids("<tool_call>")
     spelled = tokenizer("<tool_call>", add_special_tokens=False, split_special_tokens=True)["input_ids"]
     assert spelled == [tag_id]  # the hole: a non-special added token is matched even in "literal" text
-    added, notes = sources.ready_for_chatml(model, tokenizer)
+    added, notes = ready_for_chatml(model, tokenizer)
     assert "<tool_call>" not in added and any("cannot inject" in n for n in notes)
     encoder = PieceEncoder(tokenizer)
     assert encoder.special_ids["<tool_call>"] == tag_id  # same id

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from toolcollapse.chat import PieceEncoder
 from toolcollapse.config import GRPOConfig
-from toolcollapse.rl import build_batch, grpo_update
+from toolcollapse.update import build_batch, grpo_update
 from toolcollapse.rollout import RolloutEngine, SamplingParams
 from toolcollapse.encoding import batch_logits, encode_tasks
 from toolcollapse.supervision import SFTTerm
@@ -72,7 +72,8 @@ def test_sft_term_in_a_run_logs_its_tokens_and_resumes_their_total(tmp_path, tin
     from test_rl import _metrics, _rl_config
 
     from toolcollapse.config import load_config
-    from toolcollapse.rl import resume_config, run_rl
+    from toolcollapse.rl import run_rl
+    from toolcollapse.rundir import resume_config
 
     config = _rl_config(tmp_path, tiny_checkpoint)
     plain = _metrics(run_rl(load_config(config, ["grpo.steps=2"]), tmp_path / "plain"))
@@ -126,7 +127,7 @@ def test_unlikelihood_term_gradient_in_the_update(tiny_model, tokenizer, world):
     """Zero advantages, no KL, SGD at lr 1: the weights move by -coef * the gradient of the mean
     -log(1 - p) over the marked tokens, and the logged policy loss leaves the term out."""
     from toolcollapse.losses import unlikelihood
-    from toolcollapse.rl import policy_logprobs
+    from toolcollapse.update import policy_logprobs
 
     model = copy.deepcopy(tiny_model).train()
     params = SamplingParams(max_turns=1, max_new_tokens=8)
@@ -156,7 +157,7 @@ def test_unlikely_positions_mark_the_rejected_token_of_failed_turns_only(tokeniz
     from toolcollapse.chat import CONTROL_TAGS
     from toolcollapse.parser import parse_turn_ids
     from toolcollapse.records import Episode, TurnRecord
-    from toolcollapse.rl import unlikely_positions
+    from toolcollapse.supervision import unlikely_positions
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in CONTROL_TAGS}
     id_to_tag = {i: t for t, i in ids.items()}
@@ -236,7 +237,7 @@ def test_the_update_shapes_expert_tokens_and_clips_the_others(tiny_model, tokeni
     plus LUFFY's -A p / (p + gamma) on the expert row, token-mean over the batch; with shaping `none`
     the expert row's tokens take the surrogate like the others (ratio 1 on old log-probs recomputed)."""
     from toolcollapse.losses import luffy_loss, ppo_clip_loss
-    from toolcollapse.rl import policy_logprobs, recompute_old_logprobs
+    from toolcollapse.update import policy_logprobs, recompute_old_logprobs
 
     engine = RolloutEngine(tiny_model, tokenizer, world)
     task = world.tasks("train")[:1]
@@ -288,7 +289,7 @@ def test_hinted_rows_train_on_the_hint_free_prompt(tiny_model, tokenizer, world)
     log-probs, recomputed there, equal a plain forward over the plain row (ratio 1) and differ from
     the log-probs the hint gave them when sampled."""
     from toolcollapse.config import HBGConfig, SupervisionConfig
-    from toolcollapse.rl import policy_logprobs, recompute_old_logprobs
+    from toolcollapse.update import policy_logprobs, recompute_old_logprobs
     from toolcollapse.supervision import group_rollouts
 
     engine = RolloutEngine(tiny_model, tokenizer, world)

@@ -34,12 +34,12 @@ def _ctrl(row):
 
 
 def _our_forward(checkpoint, saved, keep=None):
-    """Our update's log-prob and entropy (`rl.policy_logprobs`) at the completion tokens of TRL's saved
+    """Our update's log-prob and entropy (`update.policy_logprobs`) at the completion tokens of TRL's saved
     micro-batch (its rows where `keep`), right-padded as our update takes them, with the weights TRL
     scored them with. Returns (ids, sampled mask, logp, entropy)."""
     from toolcollapse.model import load_model
     from toolcollapse.records import PolicyBatch
-    from toolcollapse.rl import policy_logprobs
+    from toolcollapse.update import policy_logprobs
 
     x = saved["inputs"]
     keep = torch.ones(len(x["prompt_ids"]), dtype=torch.bool) if keep is None else keep

@@ -51,7 +51,6 @@ class RobustZ:
     direction: int = 1
     _past: deque = field(default_factory=deque, init=False, repr=False)
     _seen: int = field(default=0, init=False, repr=False)
-    level: float = field(default=0.0, init=False, repr=False)  # the last z, watched way, / threshold (1: fires)
 
     def update(self, x: float, steps: int = 1) -> bool:
         """Observe x, `steps` after the last observation (a level test: the gap does not matter); fires?"""
@@ -63,7 +62,6 @@ class RobustZ:
             scale = max(1.4826 * (values - med).abs().median().item(), self.min_scale)
             z = (x - med) / scale
             fire = _beyond(z, self.threshold, self.direction)
-            self.level = max(0.0, z if self.direction > 0 else -z if self.direction < 0 else abs(z)) / self.threshold
         past.append(x)
         self._seen += 1
         if len(past) > self.window:
@@ -91,7 +89,6 @@ class Cusum:
     _base: list = field(default_factory=list, init=False, repr=False)
     _up: float = field(default=0.0, init=False, repr=False)
     _down: float = field(default=0.0, init=False, repr=False)
-    level: float = field(default=0.0, init=False, repr=False)  # the watched sum / threshold (above 1: fires)
 
     def update(self, x: float, steps: int = 1) -> bool:
         """Observe x, `steps` after the last observation; fires?"""
@@ -102,7 +99,6 @@ class Cusum:
         z = (x - base.mean().item()) / max(base.std(unbiased=False).item(), self.min_scale)
         self._up = max(0.0, self._up + steps * (z - self.drift))
         self._down = max(0.0, self._down + steps * (-z - self.drift))
-        self.level = max(self._up if self.direction >= 0 else 0.0, self._down if self.direction <= 0 else 0.0) / self.threshold
         return (self.direction >= 0 and self._up > self.threshold) or (
             self.direction <= 0 and self._down > self.threshold)
 
@@ -186,7 +182,6 @@ class Watcher:
     def __init__(self, rules: Iterable[Rule]):
         self.rules = list(rules)
         self._detectors = [r.make() for r in self.rules]
-        self._levels = [0.0] * len(self.rules)
         self._last: list[int | None] = [None] * len(self.rules)  # each rule's last observed step
         self.alarms: list[Alarm] = []
         self._fired: set[int] = set()
@@ -200,24 +195,16 @@ class Watcher:
             steps = 1 if self._last[i] is None else max(1, step - self._last[i])
             self._last[i] = step
             fires = det.update(rule.observe(float(x)), steps)
-            self._levels[i] = det.level if rule.may_fire(float(x)) else 0.0
             if fires and rule.may_fire(float(x)) and i not in self._fired:
                 self._fired.add(i)
                 new.append(Alarm(step, rule, float(x)))
         self.alarms.extend(new)
         return new
 
-    @property
-    def pressure(self) -> float:
-        """How near the nearest rule is to firing, at its last observation: its detector's statistic over
-        its threshold (1 and above: fired, or would have), 0 where it may not fire (below its floor)."""
-        return max(self._levels, default=0.0)
-
     def rearm(self) -> None:
         """Fresh detectors that may fire again (after a recovery: the series start from a new reference);
         the alarms so far stay in `alarms`."""
         self._detectors = [r.make() for r in self.rules]
-        self._levels = [0.0] * len(self.rules)
         self._last = [None] * len(self.rules)
         self._fired.clear()
 

@@ -151,7 +151,7 @@ class PieceEncoder:
         self.special_ids = {t: vocab.get(t) for t in CONTROL_TAGS}
         if missing:
             raise ValueError(f"tokenizer lacks control tokens {missing}: load pretrained models through "
-                             "model.source (toolcollapse.sources.add_control_tokens adds them)")
+                             "model.source (toolcollapse.tags.add_control_tokens adds them)")
         self._cache: dict[bool, dict[str, list[int]]] = {False: {}, True: {}}
         self.max_cached_chars = 8192
         self.max_cache_entries = 200_000

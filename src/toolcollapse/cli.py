@@ -147,12 +147,12 @@ def _rl_config(args: argparse.Namespace) -> tuple[RunConfig, Path]:
         if args.config or args.init or args.overwrite:
             raise ConfigError("--resume continues a run with its saved config; drop --config, --init and --overwrite")
         run_dir = Path(args.resume)
-        from toolcollapse.rl import resume_config
+        from toolcollapse.rundir import resume_config
 
         cfg = resume_config(run_dir)
         if args.overrides:
             raise ConfigError("--resume takes no --set: the run continues with the config it started with")
-        from toolcollapse.rl import check_run_start
+        from toolcollapse.rundir import check_run_start
 
         check_run_start(cfg, run_dir, resume=True, overwrite=False, allow_change=_allowed(args))
         return cfg, run_dir
@@ -165,7 +165,7 @@ def _rl_config(args: argparse.Namespace) -> tuple[RunConfig, Path]:
     if not (Path(cfg.init) / "config.json").is_file():
         raise ConfigError(f"init checkpoint not found: {cfg.init} (no config.json there)")
     run_dir = Path(args.out) if args.out else Path(cfg.out_dir) / "rl"
-    from toolcollapse.rl import check_run_start
+    from toolcollapse.rundir import check_run_start
 
     check_run_start(cfg, run_dir, resume=False, overwrite=args.overwrite)
     return cfg, run_dir

@@ -232,7 +232,7 @@ class RolloutConfig(Checked):
 
 @dataclass(frozen=True)
 class GRPOConfig(Checked):
-    """GRPO as the paper runs it (DESIGN.md), except the learning rate, which suits the tier."""
+    """GRPO as the paper runs it (docs/DESIGN.md), except the learning rate, which suits the tier."""
 
     steps: Count = 100
     prompts_per_step: Count = 8

@@ -80,7 +80,7 @@ def diagnose_rows(rows: Sequence[Mapping[str, Any]], rules: Sequence[Rule], base
 def read_run(run_dir: Path) -> tuple[RunConfig, list[dict[str, Any]]]:
     """A run's config and metric rows: one of ours, or the output directory of a TRL run monitored by
     toolcollapse.integrations.trl (its monitor.jsonl rows merged by step, its monitor.yaml)."""
-    from toolcollapse.rl import resume_config
+    from toolcollapse.rundir import resume_config
     from toolcollapse.runtime import read_jsonl
 
     if not (Path(run_dir) / "metrics.jsonl").is_file() and (Path(run_dir) / "monitor.jsonl").is_file():

@@ -1,6 +1,6 @@
 """SFT phases inside an RL run -- ETS, PRS, the adaptive schedule -- and the `sft_only` control.
 
-ETS (erroneous-trajectory supervision; arXiv 2606.26027, DESIGN.md): rounds of `ets.every`
+ETS (erroneous-trajectory supervision; arXiv 2606.26027, docs/DESIGN.md): rounds of `ets.every`
 GRPO steps; after a round, the tasks with at least one zero-reward on-policy rollout in the
 round's last `ets.window` steps are collected (the released code's rule), and the model is
 SFT-trained on their ground-truth conversations, loss on the assistant tokens as `sft`

@@ -20,6 +20,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, DynamicCache, Lla
 from toolcollapse.attention import cascade, causal_mask
 from toolcollapse.config import ConfigError
 from toolcollapse.kvcache import cascade_cache, prefix_kv
+from toolcollapse.tags import add_control_tokens
 
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, intermediate_size=352),
@@ -57,8 +58,6 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, trainable: 
     path = Path(path)
     if (path / "adapter_config.json").is_file():
         from peft import PeftConfig, PeftModel
-
-        from toolcollapse.sources import add_control_tokens
 
         base_path = Path(PeftConfig.from_pretrained(path).base_model_name_or_path)
         if not (base_path / "config.json").is_file():
@@ -177,10 +176,6 @@ def forward(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: tor
     kwargs = {cache_kwarg(model): cache} if cache is not None else {}
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                  use_cache=cache is not None, logits_to_keep=logits_to_keep, **kwargs)
-
-
-def output_cache(out: Any) -> Any:
-    return getattr(out, "cache", None) if getattr(out, "cache", None) is not None else out.past_key_values
 
 
 def hidden_states(model: PreTrainedModel, input_ids: torch.Tensor, prefix_len: int = 0) -> torch.Tensor:

@@ -181,7 +181,7 @@ METRICS: list[tuple[str, str, str]] = [
                                                 "have advantage 0: no learning signal)."),
     ("skipped_uninformative", "flag 0/1", "1 when `grpo.skip_uninformative_steps` skipped the update (every group "
                                           "uninformative): the update's keys are then absent."),
-    # the update (rl.grpo_update, combine_updates)
+    # the update (update.grpo_update, combine_updates)
     ("loss", "dimensionless", "The policy loss as minimised, without the supervision terms: clipped surrogate "
                               "(LUFFY's shaped loss on expert tokens) + `kl_coef` * k3 KL, reduced by "
                               "`grpo.loss_agg`; mean over the step's optimizer steps weighted by their tokens. "

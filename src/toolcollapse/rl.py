@@ -5,7 +5,7 @@ One step:
      KV-cached, token-in/token-out engine (rollout.py);
   2. reward 1 if the task is solved, else 0 (rewards.py); group-normalised
      advantages, with or without the std division (advantages.py);
-  3. forward the policy over the rollouts' exact tokens -- the shared system prompt
+  3. (update.py) forward the policy over the rollouts' exact tokens -- the shared system prompt
      once -- and minimise the clipped surrogate with dual clip on the sampled tokens
      only (tool output and template tokens are masked), plus beta * k3 KL to the
      frozen initial model (losses.py), token-mean over the batch;
@@ -33,7 +33,7 @@ defaults to a value for the tiny tier, not 1e-6.
 With `model.lora.rank > 0` the policy is LoRA adapters (peft) on the initial model,
 and checkpoints hold the adapters; the reference stays the full initial model.
 
-The run directory holds `config.yaml`, `metrics.jsonl` (one line per step),
+The run directory (rundir.py) holds `config.yaml`, `metrics.jsonl` (one line per step),
 `samples.jsonl` (decoded rollouts), TensorBoard events in `tb/`, and checkpoints that
 `--resume` continues from exactly (same seed: the same metrics as an uninterrupted run).
 """
@@ -42,404 +42,51 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import operator
 import os
 import shutil
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
-from toolcollapse.advantages import group_advantages
 from toolcollapse.alarms import Alarm, Watcher, run_rules
 from toolcollapse.chat import CONTROL_TAGS, PieceEncoder, generation_prompt
-from toolcollapse.checkpoint import MARKER, clean_partial, complete_checkpoints, load_trainer_state, save_checkpoint
-from toolcollapse.config import (ConfigError, RunConfig, checkpoint_problems, differences, dump_config, load_config,
-                                 pool_problems, rl_problems)
+from toolcollapse.checkpoint import MARKER, complete_checkpoints, load_trainer_state, save_checkpoint
+from toolcollapse.config import (ConfigError, RunConfig, dump_config)
 from toolcollapse.envs import make_env
 from toolcollapse.evaluate import sampling_params
-from toolcollapse.losses import aggregate, kl_k3, luffy_loss, ppo_clip_loss, unlikelihood
-from toolcollapse.parser import first_rejected_control
-from toolcollapse.model import (PrefixCache, device_of, load_model, load_tokenizer, logits_after, logits_at, place,
-                                resolve_device, run_prefix, shared_prefix_len)
-from toolcollapse.sources import add_control_tokens, apply_lora, ready_for_chatml, token_ids
-from toolcollapse.monitor import (ProbeSet, build_probe, content_labels, control_gradient_share, resolve_token_ids,
-                                  run_probe, sampled_control_stats)
+from toolcollapse.model import (PrefixCache, load_model, load_tokenizer, place,
+                                resolve_device)
+from toolcollapse.sources import apply_lora
+from toolcollapse.tags import add_control_tokens, ready_for_chatml, token_ids
+from toolcollapse.monitor import (ProbeSet, build_probe, content_labels, resolve_token_ids,
+                                  run_probe)
 from toolcollapse.optim import lr_at, make_optimizer, set_lr
-from toolcollapse.records import CallEnd, Episode, ErrorType, PolicyBatch, Task, TurnState
+from toolcollapse.records import Episode, ErrorType, Task, TurnState
 from toolcollapse.rewards import rewards_tensor
-from toolcollapse.rollout import MIN_GROUP_SHARED, RolloutEngine
-from toolcollapse.interleave import (FAILURES, PHASES, PhaseRunner, adaptive_handler, collect_failures,
+from toolcollapse.rollout import RolloutEngine
+from toolcollapse.interleave import (PHASES, PhaseRunner, adaptive_handler, collect_failures,
                                      latest_per_task, log_failures, read_failures, sft_phase, trained_tokens)
 from toolcollapse.judge import Judge, load_judge
 from toolcollapse.encoding import encode_tasks
-from toolcollapse.supervision import SFTTerm, StepSupervision, group_rollouts, load_hint_writer, sft_tokens_so_far
-from toolcollapse.runtime import (STOP_FILE_ENV, StopOnSignal, append_jsonl, check_new_run_dir, check_writable,
-                                  clear_run_dir, jsonl_lines, lock_dir, progress, read_jsonl, seed_everything,
+from toolcollapse.supervision import (SFTTerm, StepSupervision, group_rollouts, load_hint_writer, sft_tokens_so_far,
+                                      unlikely_positions)
+from toolcollapse.rundir import (RUN_CONFIG, StorageError, check_run_start, log_step, open_tensorboard, resume_config,
+                                 truncate_logs)
+from toolcollapse.update import policy_step
+from toolcollapse.runtime import (STOP_FILE_ENV, StopOnSignal, append_jsonl, clear_run_dir, progress, read_jsonl, seed_everything,
                                   set_threads, storage_problem)
-
-RUN_CONFIG = "config.yaml"
 
 
 # ----------------------------------------------------------------------------- tensors
 
 
-def build_batch(episodes: Sequence[Episode], advantages: torch.Tensor, pad_id: int,
-                device: torch.device | str = "cpu", unlikely: Sequence[Sequence[int]] | None = None,
-                expert: Sequence[bool] | None = None) -> PolicyBatch:
-    """The rollouts as right-padded tensors; `unlikely`: per episode, positions of tokens to push down;
-    `expert`: per episode, whether it is an off-policy row whose tokens the update shapes apart."""
-    width = max(len(ep.tokens) for ep in episodes)
-    n = len(episodes)
-    ids = torch.full((n, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((n, width), dtype=torch.bool)
-    old = torch.zeros((n, width), dtype=torch.float32)
-    for i, ep in enumerate(episodes):
-        t = len(ep.tokens)
-        ids[i, :t] = torch.tensor(ep.tokens)
-        mask[i, :t] = torch.tensor(ep.loss_mask, dtype=torch.bool)
-        old[i, :t] = torch.tensor(ep.logprobs)
-    marked = None
-    if unlikely is not None:
-        marked = torch.zeros((n, width), dtype=torch.bool)
-        for i, positions in enumerate(unlikely):
-            marked[i, list(positions)] = True
-    rows = None if expert is None else torch.tensor(list(expert), dtype=torch.bool)
-    return PolicyBatch(ids, mask, old, advantages.float(), marked, rows).to(device)
-
-
-def unlikely_positions(episodes: Sequence[Episode], id_to_tag: dict[int, str], call_end: CallEnd) -> list[list[int]]:
-    """Per episode, the position of the first control token the grammar rejects in each failed turn."""
-    out = []
-    for ep in episodes:
-        found = [(t.start, first_rejected_control(ep.tokens[t.start:t.end], id_to_tag, call_end))
-                 for t in ep.turns if not t.parsed.state.healthy]
-        out.append([start + i for start, i in found if i is not None])
-    return out
-
-
-@dataclass
-class BatchPrefix:
-    """The prefix every row of a batch shares (the system prompt), run once for all its micro-batches.
-
-    Micro-batches attend to `kv` (`model.logits_after`). When the prefix ran under autograd, its keys
-    and values in `kv` are leaves that sum each micro-batch's gradient, and `backward` sends that sum once
-    through the prefix's forward to the weights: the gradient of running the prefix in every micro-batch."""
-
-    length: int
-    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, [1, Hkv, P, D]
-    graph: list[tuple[torch.Tensor, torch.Tensor]]  # (the prefix forward's tensor, its leaf in kv)
-
-    def backward(self) -> None:
-        pairs = [(out, leaf) for out, leaf in self.graph if leaf.grad is not None]
-        if pairs:
-            torch.autograd.backward([out for out, _ in pairs], [leaf.grad for _, leaf in pairs])
-
-
-def batch_prefix(model: Any, batch: PolicyBatch, shared: int | None = None) -> BatchPrefix | None:
-    """The batch's shared prefix run once (None when the rows share too little): up to the position
-    that predicts the first sampled token, so every trained position lies after it. `shared`: the rows'
-    `shared_prefix_len`, if known."""
-    sampled = batch.target_mask.any(dim=0).nonzero()
-    if len(sampled) == 0:
-        return None
-    if shared is None:
-        shared = shared_prefix_len([r.tolist() for r in batch.input_ids])
-    length = min(shared, int(sampled.min()) - 1)
-    if length <= 0:
-        return None
-    leaf = lambda t: t.detach().requires_grad_() if t.requires_grad else t  # noqa: E731
-    kv = run_prefix(model, batch.input_ids[:1, :length])
-    leaves = [(leaf(k), leaf(v)) for k, v in kv]
-    graph = [(out, new) for pair, new_pair in zip(kv, leaves) for out, new in zip(pair, new_pair) if out.requires_grad]
-    return BatchPrefix(length, leaves, graph)
-
-
-def policy_logprobs(model: Any, batch: PolicyBatch, temperature: float = 1.0,
-                    prefix: BatchPrefix | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob and entropy of the sampling distribution (logits / temperature) at every sampled
-    token, [M] each, row-major. `prefix`: the batch's shared prefix, already run (`batch_prefix`);
-    else the rows' shared prefix is run here, once for them."""
-    select = torch.zeros_like(batch.target_mask)
-    select[:, :-1] = batch.target_mask[:, 1:]  # the position before a sampled token predicts it
-    if prefix is None or batch.input_ids.shape[1] <= prefix.length:  # (a micro-batch with nothing sampled)
-        length = shared_prefix_len([r.tolist() for r in batch.input_ids])
-        logits = logits_at(model, batch.input_ids, select, length)  # [M, V] float32
-    else:
-        p = prefix.length
-        logits = logits_after(model, prefix.kv, batch.input_ids[:, p:], select[:, p:])
-    logp_all = torch.log_softmax(logits / temperature, dim=-1)
-    targets = batch.input_ids[batch.target_mask]  # [M]
-    logp = logp_all.gather(1, targets[:, None]).squeeze(1)
-    entropy = -(logp_all.exp() * logp_all).sum(dim=-1)
-    return logp, entropy
-
-
 # ----------------------------------------------------------------------------- one update
-
-
-@dataclass
-class UpdateStats:
-    loss: float
-    pg_loss: float
-    kl_ref: float  # mean k3 KL(policy || reference) over sampled tokens
-    approx_kl_old: float  # mean 0.5 * (log ratio)^2 against the sampling policy
-    entropy: float  # mean entropy of the policy at sampled positions
-    clip_frac_low: float
-    clip_frac_high: float
-    dual_clip_frac: float
-    ratio_mean: float  # the importance ratio to the sampling policy over sampled tokens
-    ratio_max: float
-    ratio_min: float
-    grad_norm: float
-    skipped_nonfinite: int  # 1 when the step was skipped (non-finite loss or grad norm)
-    n_tokens: int = 0  # sampled tokens in the update
-    terms: dict[str, float] = field(default_factory=dict)  # supervision terms computed in the same forward
-
-
-def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torch.optim.Optimizer,
-                batch: PolicyBatch, cfg: Any, collect: list | None = None, temperature: float = 1.0,
-                extra: Callable[[], bool] | None = None, unlikelihood_coef: float = 0.0,
-                luffy_gamma: float = 0.0) -> UpdateStats:
-    """One optimizer step over the whole batch, in micro-batches (gradient accumulation).
-
-    `collect`, if given, receives (targets, logp, old_logp, entropy) [M] per micro-batch,
-    detached: the monitor's statistics come from this forward at no extra cost. `extra`, if
-    given, adds another loss's gradient to the same step (a supervision term) and returns
-    whether that loss was finite. `unlikelihood_coef` > 0 adds coef * mean -log(1 - p) over the
-    batch's `unlikely` tokens, from the same forward. `luffy_gamma` > 0: the tokens of the batch's
-    `expert` rows take LUFFY's shaped loss -A * p / (p + gamma) instead of the clipped surrogate
-    (and stay out of `collect`: the policy did not sample them)."""
-    n_tokens, n_seqs = int(batch.target_mask.sum()), len(batch)
-    n_unlikely = int(batch.unlikely.sum()) if unlikelihood_coef > 0 and batch.unlikely is not None else 0
-    sums: Counter[str] = Counter()
-    finite = True
-    prefix, parts = update_plan(model, batch, cfg)
-    for k, mb in enumerate(parts):
-        logp, entropy = policy_logprobs(model, mb, temperature, prefix)
-        old = mb.old_logp[mb.target_mask]
-        seq_ids = mb.target_mask.nonzero()[:, 0]  # [M] row of each sampled token
-        adv = mb.advantages[seq_ids]
-        pg, pg_stats = ppo_clip_loss(logp, old, adv, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
-        off = mb.expert[seq_ids] if mb.expert is not None else None  # [M] tokens of off-policy rows
-        if luffy_gamma > 0 and off is not None:
-            pg = torch.where(off, luffy_loss(logp, adv, luffy_gamma), pg)
-        per_token = pg
-        kl = torch.zeros_like(logp)
-        if ref_logp is not None:
-            kl = kl_k3(logp, ref_logp[k])
-            per_token = pg + cfg.kl_coef * kl
-        loss = aggregate(per_token, seq_ids, cfg.loss_agg, n_tokens, n_seqs)  # the policy loss, as logged
-        total = loss
-        if n_unlikely:
-            ul = unlikelihood(logp[mb.unlikely[mb.target_mask]])  # [K] the micro-batch's rejected tokens
-            total = loss + unlikelihood_coef * ul.sum() / n_unlikely
-            sums["unlikelihood"] += ul.sum().item()
-        if collect is not None:
-            own = slice(None) if off is None else ~off
-            collect.append((mb.input_ids[mb.target_mask][own], logp.detach()[own], old[own], entropy.detach()[own]))
-        finite &= bool(torch.isfinite(total))
-        if finite:
-            total.backward()
-        m = logp.numel()
-        with torch.no_grad():
-            sums["loss"] += loss.item()
-            sums["pg_loss"] += aggregate(pg, seq_ids, cfg.loss_agg, n_tokens, n_seqs).item()
-            sums["kl_ref"] += kl.sum().item()
-            sums["approx_kl_old"] += (0.5 * (logp - old) ** 2).sum().item()
-            sums["entropy"] += entropy.sum().item()
-            for name in ("clip_frac_low", "clip_frac_high", "dual_clip_frac"):
-                sums[name] += getattr(pg_stats, name) * m
-            sums["ratio_mean"] += pg_stats.ratio_mean * m
-            sums["ratio_max"] = max(sums["ratio_max"], pg_stats.ratio_max)
-            sums["ratio_min"] = min(sums.get("ratio_min", math.inf), pg_stats.ratio_min)
-    if prefix is not None and finite:
-        prefix.backward()
-    if extra is not None and finite:
-        finite &= extra()
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)) if finite else math.nan
-    skipped = not (finite and math.isfinite(grad_norm))
-    if not skipped:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    per_tok = lambda key: sums[key] / max(1, n_tokens)  # noqa: E731
-    return UpdateStats(loss=sums["loss"], pg_loss=sums["pg_loss"], kl_ref=per_tok("kl_ref"),
-                       approx_kl_old=per_tok("approx_kl_old"), entropy=per_tok("entropy"),
-                       clip_frac_low=per_tok("clip_frac_low"), clip_frac_high=per_tok("clip_frac_high"),
-                       dual_clip_frac=per_tok("dual_clip_frac"), ratio_mean=per_tok("ratio_mean"),
-                       ratio_max=sums["ratio_max"], ratio_min=sums.get("ratio_min", 1.0),
-                       grad_norm=grad_norm, skipped_nonfinite=int(skipped), n_tokens=n_tokens,
-                       terms={"sup/unlikelihood": sums["unlikelihood"] / n_unlikely,
-                              "sup/unlikely_tokens": n_unlikely} if n_unlikely else {})
-
-
-def policy_step(model: Any, ref_model: Any | None, optimizer: torch.optim.Optimizer, episodes: Sequence[Episode],
-                rewards: torch.Tensor, g: Any, pad_id: int, control_ids: dict[str, int],
-                grad_share_rows: int = 0, temperature: float = 1.0,
-                sup: StepSupervision | None = None) -> dict[str, float]:
-    """Advantages over the whole batch, then `updates_per_batch` passes over it, each one optimizer step per
-    mini-batch of whole groups (`grpo.mini_batches`); their statistics. With grad_share_rows > 0, first the
-    control tokens' share of the gradient on that many rollouts. `sup`: the supervision terms, added to every
-    optimizer step (the SFT term on the ground truth of the mini-batch's own tasks)."""
-    sup = sup or StepSupervision()
-    advantages, adv_stats = group_advantages(rewards, g.group_size, g.scale_adv_by_std)
-    if g.skip_uninformative_steps and adv_stats.frac_groups_informative == 0:
-        return {**asdict(adv_stats), "skipped_uninformative": 1, "skipped_nonfinite": 0}
-    batch = build_batch(episodes, advantages, pad_id, device_of(model), sup.unlikely,
-                        [k == "expert" for k in sup.kinds] if sup.kinds else None)
-    if sup.kinds and any(k != "policy" for k in sup.kinds):  # hinted and expert rows: old log-probs of this policy
-        recompute_old_logprobs(model, batch, [i for i, k in enumerate(sup.kinds) if k != "policy"], g, temperature)
-    share = grad_share(model, batch, g, control_ids, grad_share_rows, temperature) if grad_share_rows else {}
-    slices = group_slices(len(batch), g.group_size, g.mini_batches)
-    parts = [batch.rows(slice(*rows)) for rows in slices]
-    ref_logp = [reference_logprobs(ref_model, part, g, temperature) if ref_model is not None else None
-                for part in parts]
-    n_groups = len(batch) // g.group_size
-    sft_parts = [sup.sft_examples[a // g.group_size:b // g.group_size] if len(sup.sft_examples) == n_groups
-                 else sup.sft_examples for a, b in slices]
-    collected: list = []  # per-token tensors of the last pass's forwards, for the control-token statistics
-    terms: Counter[str] = Counter()  # the supervision terms' statistics, summed over the optimizer steps
-    sft_calls = 0
-    updates = []
-    for epoch in range(g.updates_per_batch):
-        last = epoch == g.updates_per_batch - 1
-        for part, ref, examples in zip(parts, ref_logp, sft_parts):
-            def add_sft_term(examples=examples) -> bool:
-                nonlocal sft_calls
-                stats = sup.sft.backward(model, examples)
-                terms.update(stats)
-                sft_calls += 1
-                return math.isfinite(stats["sup/sft_nll"])
-
-            updates.append(grpo_update(model, ref, optimizer, part, g, collect=collected if last else None,
-                                       temperature=temperature, extra=add_sft_term if sup.sft else None,
-                                       unlikelihood_coef=sup.unlikelihood_coef, luffy_gamma=sup.luffy_gamma))
-    if sft_calls:
-        terms["sup/sft_nll"] /= sft_calls  # the mean NLL; sup/sft_tokens stays the sum trained on
-    return {**asdict(adv_stats), **combine_updates(updates, len(parts)), **_control_stats(collected, control_ids), **share,
-            **terms, "optimizer_steps": len(updates), "skipped_uninformative": 0}
-
-
-def group_slices(n_rows: int, group_size: int, k: int) -> list[tuple[int, int]]:
-    """[start, end) rows of each of `k` mini-batches of whole groups (contiguous, in batch order)."""
-    n_groups = n_rows // group_size
-    if n_groups % k:
-        raise ValueError(f"{n_groups} groups do not split into {k} mini-batches")
-    per = n_groups // k * group_size
-    return [(j * per, (j + 1) * per) for j in range(k)]
-
-
-def combine_updates(updates: Sequence[UpdateStats], n_last: int = 1) -> dict[str, float]:
-    """One step's statistics over its optimizer steps: per-token means weighted by each step's tokens, the ratio's
-    extremes over all of them, the mean gradient norm (and its largest), skipped steps counted; the unlikelihood
-    term's over the last pass (its `n_last` steps)."""
-    weights = [max(1, u.n_tokens) for u in updates]
-
-    def mean_of(key: str) -> float:  # over the steps where it is finite (a skipped step's loss can be NaN)
-        pairs = [(getattr(u, key), w) for u, w in zip(updates, weights) if math.isfinite(getattr(u, key))]
-        return sum(v * w for v, w in pairs) / sum(w for _, w in pairs) if pairs else math.nan
-
-    out = {key: mean_of(key) for key in ("loss", "pg_loss", "kl_ref", "approx_kl_old", "entropy", "clip_frac_low",
-                                          "clip_frac_high", "dual_clip_frac", "ratio_mean")}
-    finite = [u.grad_norm for u in updates if math.isfinite(u.grad_norm)]
-    out.update(ratio_max=max(u.ratio_max for u in updates), ratio_min=min(u.ratio_min for u in updates),
-               grad_norm=sum(finite) / len(finite) if finite else math.nan, grad_norm_max=max(finite, default=math.nan),
-               skipped_nonfinite=sum(u.skipped_nonfinite for u in updates))
-    last_pass = updates[-n_last:]
-    unlikely = sum(u.terms.get("sup/unlikely_tokens", 0) for u in last_pass)
-    if unlikely:  # the batch's rejected control tokens (a pass's), and their mean -log(1 - p)
-        out["sup/unlikelihood"] = sum(u.terms.get("sup/unlikelihood", 0.0) * u.terms.get("sup/unlikely_tokens", 0)
-                                      for u in last_pass) / unlikely
-        out["sup/unlikely_tokens"] = unlikely
-    return out
-
-
-def grad_share(model: Any, batch: PolicyBatch, g: Any, control_ids: dict[str, int], rows: int,
-               temperature: float = 1.0) -> dict[str, float]:
-    """Control tokens' share of the policy-gradient norm, on up to `rows` rollouts with a non-zero advantage
-    (an extra forward and two backward passes; the parameters' .grad is untouched)."""
-    picked = batch.advantages.nonzero()[:rows, 0]
-    if picked.numel() == 0:
-        return {}
-    mb = batch.rows(picked)
-    logp, _ = policy_logprobs(model, mb, temperature)
-    adv = mb.advantages[mb.target_mask.nonzero()[:, 0]]
-    pg, _ = ppo_clip_loss(logp, mb.old_logp[mb.target_mask], adv, g.clip_low, g.clip_high, g.dual_clip)
-    is_ctrl = torch.isin(mb.input_ids[mb.target_mask], torch.tensor(list(control_ids.values()), device=logp.device))
-    return control_gradient_share(pg, is_ctrl, [p for p in model.parameters() if p.requires_grad])
-
-
-@torch.no_grad()
-def recompute_old_logprobs(model: Any, batch: PolicyBatch, rows: Sequence[int], g: Any,
-                           temperature: float = 1.0) -> None:
-    """Set the old log-probs of `rows` (hinted rows on their hint-free prompt, expert rows) to the
-    current policy's, by a forward pass planned as the update's (`plan_rows`): their first update's
-    ratio is then 1."""
-    index = torch.tensor(list(rows), device=batch.input_ids.device)
-    sub = batch.rows(index)
-    prefix, plan = plan_rows(model, sub, g)
-    for part_rows in plan:
-        part = sub.rows(part_rows).trimmed()
-        old = torch.zeros_like(sub.old_logp[part_rows])
-        old[:, :part.target_mask.shape[1]][part.target_mask] = policy_logprobs(model, part, temperature, prefix)[0]
-        batch.old_logp[index[part_rows]] = old
-
-
-@torch.no_grad()
-def reference_logprobs(ref_model: Any, batch: PolicyBatch, g: Any, temperature: float = 1.0) -> list[torch.Tensor]:
-    """The reference's log-probs [M] per micro-batch, in `grpo_update`'s micro-batches."""
-    prefix, parts = update_plan(ref_model, batch, g)
-    return [policy_logprobs(ref_model, mb, temperature, prefix)[0] for mb in parts]
-
-
-def update_plan(model: Any, batch: PolicyBatch, g: Any) -> tuple[BatchPrefix | None, list[PolicyBatch]]:
-    """How a forward over `batch` runs (the update's, the reference's): `plan_rows`' micro-batches, each
-    cut after its last sampled position where they are sorted by length."""
-    prefix, plan = plan_rows(model, batch, g)
-    return prefix, [batch.rows(rows).trimmed() if g.sort_micro_batches else batch.rows(rows) for rows in plan]
-
-
-def plan_rows(model: Any, batch: PolicyBatch, g: Any) -> tuple[BatchPrefix | None, list[torch.Tensor]]:
-    """The batch's shared prefix run once (`grpo.prefix_once`) and the rows [n] of each micro-batch of
-    `grpo.micro_batch_size`, by length (`sort_micro_batches`); but where the prompts are long past that
-    prefix (BFCL: each task its own 2-5 k-token system prompt, a batch sharing ~200 tokens) micro-batches
-    by prompt, each running its rows' whole prompt once, instead of every row its own copy."""
-    if not g.prefix_once:
-        return None, micro_batch_rows(batch, g.micro_batch_size, g.sort_micro_batches)
-    ids = [r.tolist() for r in batch.input_ids]
-    shared = shared_prefix_len(ids)
-    prompt_lens = batch.target_mask.float().argmax(dim=1).tolist()  # [N] the first sampled position
-    sampled = [i for i, row in enumerate(batch.target_mask.any(dim=1).tolist()) if row]
-    if (g.sort_micro_batches and sampled and sum(prompt_lens[i] - shared for i in sampled) / len(sampled) >= MIN_GROUP_SHARED
-            and len({tuple(ids[i][:prompt_lens[i]]) for i in sampled}) < len(sampled)):  # (some prompt has 2+ rows)
-        return None, micro_batch_rows(batch, g.micro_batch_size, True, prompt_lens)
-    return batch_prefix(model, batch, shared), micro_batch_rows(batch, g.micro_batch_size, g.sort_micro_batches)
-
-
-def micro_batch_rows(batch: PolicyBatch, size: int, by_length: bool,
-                     prompt_lens: Sequence[int] | None = None) -> list[torch.Tensor]:
-    """The rows [n] of each micro-batch of `size` rows of `batch`. `by_length`: rows sorted by their last
-    sampled position (cut after it, the micro-batches pad little: the same sum of gradients).
-    `prompt_lens` [N]: the rows of one prompt (its first `prompt_lens` tokens) apart from the others, each
-    prompt's sorted by length, so that a micro-batch's rows share their whole prompt."""
-    device = batch.target_mask.device
-    if not by_length:
-        return [torch.arange(s, min(s + size, len(batch)), device=device) for s in range(0, len(batch), size)]
-    positions = torch.arange(batch.target_mask.shape[1], device=device)
-    ends = (batch.target_mask * positions).amax(dim=1)  # [N] last sampled position (0 if none)
-    order = torch.sort(ends, stable=True).indices
-    if prompt_lens is None:
-        return [order[s:s + size] for s in range(0, len(batch), size)]
-    by_prompt: dict[tuple[int, ...], list[int]] = {}
-    ids = batch.input_ids.tolist()
-    for i in order.tolist():
-        by_prompt.setdefault(tuple(ids[i][:prompt_lens[i]]), []).append(i)
-    return [torch.tensor(rows[s:s + size], device=device) for rows in by_prompt.values() for s in range(0, len(rows), size)]
 
 
 # ----------------------------------------------------------------------------- rollout statistics
@@ -611,8 +258,8 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
         clear_run_dir(run_dir, "rl")  # a previous run there, which `overwrite` allowed to replace
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_config(cfg, run_dir / RUN_CONFIG)
-    _truncate_logs(run_dir, start)
-    writer = _tensorboard(run_dir, start)
+    truncate_logs(run_dir, start)
+    writer = open_tensorboard(run_dir, start)
     rows = read_jsonl(run_dir / "metrics.jsonl") if start else []
     watcher = _watcher(cfg, rows)
     if on_alarm is None:
@@ -705,7 +352,7 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
                 sft_tokens_total += update_stats.get("sup/sft_tokens", 0.0) + phase_tokens + expert_tokens
                 metrics["sup/sft_tokens_total"] = sft_tokens_total
             metrics["alarms_total"] = len(watcher.alarms)
-            _log(run_dir, writer, metrics,
+            log_step(run_dir, writer, metrics,
                  sample_records(step, episodes, rewards, engine.decode, g.samples_per_step, kinds))
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", healthy=f"{metrics['healthy_rate']:.2f}",
@@ -816,13 +463,6 @@ def validate(engine: RolloutEngine, tasks: Sequence[Task], cfg: RunConfig) -> di
     return {"val/success": stats["success"], "val/healthy_rate": stats["healthy_rate"]}
 
 
-def _control_stats(collected: list, token_ids: dict[str, int]) -> dict[str, float]:
-    if not collected:
-        return {}
-    targets, logp, old, entropy = (torch.cat(parts) for parts in zip(*collected))
-    return sampled_control_stats(targets, logp, old, entropy, token_ids)
-
-
 def probe_for(cfg: RunConfig, env: Any, tokenizer: Any) -> tuple[ProbeSet | None, dict[str, int]]:
     """The run's probe set (the first `monitor.probe_size` training tasks' oracle conversations, with their
     content labels; None when the probe is off) and the ids of the control tokens it reports."""
@@ -837,88 +477,3 @@ def probe_for(cfg: RunConfig, env: Any, tokenizer: Any) -> tuple[ProbeSet | None
     return build_probe(examples, tokenizer.pad_token_id, resolve_token_ids(tokenizer, CONTROL_TAGS), content), token_ids
 
 
-def check_run_start(cfg: RunConfig, run_dir: Path, resume: bool, overwrite: bool,
-                    allow_change: Sequence[str] = ()) -> None:
-    """ConfigError before anything is loaded or written: an RL-incompatible config, a directory another job
-    holds (the lock is taken here and kept for the run's life), one that cannot be written, a new run aimed at
-    another run's directory, a resumed run given another config than its checkpoint was saved with (except the
-    keys in `allow_change`)."""
-    resolve_device(cfg.device)  # ConfigError for a GPU that is not there
-    problems = rl_problems(cfg)
-    problems += checkpoint_problems(cfg, cfg.init) + pool_problems(cfg, cfg.init) if cfg.init else []
-    if problems:
-        raise ConfigError(problems[0])
-    lock_dir(run_dir, "rl run")
-    check_writable(run_dir, checkpoint_bytes(Path(cfg.init)) if cfg.init else 0)
-    if not resume:
-        check_new_run_dir(run_dir, overwrite, "rl", resume_hint=f"use --resume {run_dir} to continue it, ")
-        if overwrite and cfg.init and Path(run_dir).resolve() in Path(cfg.init).resolve().parents:
-            raise ConfigError(f"init {cfg.init} lies inside {run_dir}, which --overwrite would delete")
-        return
-    clean_partial(run_dir)
-    saved = [resume_config(run_dir)]
-    done = complete_checkpoints(run_dir)
-    if done and (done[-1] / "toolcollapse.yaml").is_file():
-        saved.append(load_config(done[-1] / "toolcollapse.yaml"))
-    changed = {key: (was, now) for config in saved for key, was, now in differences(config, cfg)}
-    refused = sorted(set(changed) - set(allow_change))
-    if refused:
-        listing = "; ".join(f"{k}: {changed[k][0]!r} -> {changed[k][1]!r}" for k in refused)
-        raise ConfigError(f"{run_dir} was saved with another config than the one it would resume with ({listing}); "
-                          f"restore it, or let them change: toolcollapse rl --resume {run_dir} --allow-change "
-                          f"{','.join(refused)}")
-
-
-class StorageError(ConfigError):
-    """The run could not write its logs or a checkpoint (a full disk, a directory made read-only): one message
-    that names the last good checkpoint and how to continue."""
-
-    def __init__(self, run_dir: Path, err: OSError):
-        done = complete_checkpoints(run_dir)
-        last = f"the last good checkpoint is {done[-1]}" if done else "no checkpoint was saved"
-        super().__init__(f"{err.strerror} writing {err.filename or run_dir}: the run stopped; {last}. Free space or "
-                         f"make {run_dir} writable, then continue with: toolcollapse rl --resume {run_dir}")
-
-
-def checkpoint_bytes(init: Path) -> int:
-    """About what one checkpoint of a run from `init` takes: its weights three times (the model and AdamW's two
-    moments), and some room for the rest."""
-    return 3 * sum(f.stat().st_size for f in Path(init).glob("*.safetensors")) + (1 << 20)
-
-
-def resume_config(run_dir: Path) -> RunConfig:
-    path = Path(run_dir) / RUN_CONFIG
-    if not path.is_file():
-        raise ConfigError(f"{run_dir} is not a run directory (no {RUN_CONFIG})")
-    return load_config(path)
-
-
-def _truncate_logs(run_dir: Path, start: int) -> None:
-    """Drop log lines of steps at or after `start`: a resumed run rewrites them. A line that does not parse (the
-    torn last line of a run killed mid-write) is dropped with a warning."""
-    for name in ("metrics.jsonl", "samples.jsonl", "alarms.jsonl", FAILURES, PHASES):
-        path = run_dir / name
-        if path.is_file():
-            keep = []
-            for number, line, record in jsonl_lines(path):
-                if record is None or not isinstance(record.get("step"), int):
-                    tqdm.write(f"rl: {path}:{number}: not a whole log line (a write cut short?), dropped")
-                elif record["step"] < start:
-                    keep.append(line)
-            path.write_text("".join(line + "\n" for line in keep))
-
-
-def _tensorboard(run_dir: Path, start: int):
-    from torch.utils.tensorboard import SummaryWriter
-
-    return SummaryWriter(str(run_dir / "tb"), purge_step=start if start else None)
-
-
-def _log(run_dir: Path, writer, metrics: dict[str, float], samples) -> None:
-    append_jsonl(run_dir / "metrics.jsonl", metrics)
-    for record in samples:
-        append_jsonl(run_dir / "samples.jsonl", record)
-    for key, value in metrics.items():
-        if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-            writer.add_scalar(key, value, metrics["step"])
-    writer.flush()

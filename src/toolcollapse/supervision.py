@@ -1,4 +1,4 @@
-"""Supervision signals mixed into GRPO (arXiv 2606.26027; docs: DESIGN.md, "Supervision signals").
+"""Supervision signals mixed into GRPO (arXiv 2606.26027; docs/DESIGN.md, "Supervision signals").
 
 So far two terms added to the GRPO loss. The synchronous SFT term: every GRPO step also minimises
 
@@ -48,8 +48,9 @@ from typing import Any, Literal, Sequence
 
 import torch.nn.functional as F
 
-from toolcollapse.records import Episode, Message, Task
 from toolcollapse.encoding import Example, batch_logits
+from toolcollapse.parser import first_rejected_control
+from toolcollapse.records import CallEnd, Episode, Message, Task
 
 RowKind = Literal["policy", "hinted", "expert"]
 
@@ -240,3 +241,13 @@ def group_rollouts(engine: Any, tasks: Sequence[Task], params: Any, group_size: 
 def _copy(episode: Episode) -> Episode:
     return dataclasses.replace(episode, tokens=list(episode.tokens), loss_mask=list(episode.loss_mask),
                                logprobs=list(episode.logprobs), turns=list(episode.turns))
+
+
+def unlikely_positions(episodes: Sequence[Episode], id_to_tag: dict[int, str], call_end: CallEnd) -> list[list[int]]:
+    """Per episode, the position of the first control token the grammar rejects in each failed turn."""
+    out = []
+    for ep in episodes:
+        found = [(t.start, first_rejected_control(ep.tokens[t.start:t.end], id_to_tag, call_end))
+                 for t in ep.turns if not t.parsed.state.healthy]
+        out.append([start + i for start, i in found if i is not None])
+    return out

@@ -148,7 +148,7 @@ def _run_spec(sweep: SweepConfig, name: str, seed: int, sets: dict[str, Any]) ->
 
 def check_against_runs_there(specs: list[RunSpec]) -> None:
     """A run the sweep would resume must have been started with the config it would get now."""
-    from toolcollapse.rl import RUN_CONFIG
+    from toolcollapse.rundir import RUN_CONFIG
 
     for spec in specs:
         saved = spec.run_dir / RUN_CONFIG
