@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from toolcollapse.config import ChatModelConfig, ConfigError
+from toolcollapse.model import load_model, load_tokenizer
+from toolcollapse.sources import cache_root, resolve_source
 
 Messages = list[dict[str, str]]
 
@@ -101,8 +103,6 @@ class ChatModel:
     """Messages -> Reply, through the cache; `ask` is the backend's one uncached call."""
 
     def __init__(self, spec: ChatModelConfig, identity: dict[str, Any], ask: Callable[[Messages], Reply]):
-        from toolcollapse.sources import cache_root
-
         self.spec, self.identity, self.ask = spec, identity, ask
         self.cache = ReplyCache(Path(spec.cache_dir) if spec.cache_dir else cache_root() / "chat")
         self.stats = ChatStats()
@@ -199,9 +199,6 @@ def _openai_ask(spec: ChatModelConfig) -> Callable[[Messages], Reply]:
 
 def _hf_ask(spec: ChatModelConfig) -> Callable[[Messages], Reply]:
     import torch
-
-    from toolcollapse.model import load_model, load_tokenizer
-    from toolcollapse.sources import resolve_source
 
     path = resolve_source(spec.source)
     tokenizer, model = load_tokenizer(path), load_model(path).eval()

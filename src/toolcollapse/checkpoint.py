@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from toolcollapse.model import CheckpointError
+
 MARKER = "COMPLETE"
 
 
@@ -112,8 +114,6 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
 
 def load_trainer_state(path: Path, optimizer: torch.optim.Optimizer) -> int:
     """Restore optimizer and RNG states; returns the number of steps already taken."""
-    from toolcollapse.model import CheckpointError
-
     file = Path(path) / "trainer.pt"
     try:
         state = torch.load(file, map_location="cpu", weights_only=False)  # AdamW moves its state to the weights

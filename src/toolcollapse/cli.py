@@ -1,7 +1,9 @@
 """Command line: `toolcollapse sft | eval | rl | sweep | study | report | diagnose | probe | world`.
 
 The CLI only parses arguments, builds the validated config and calls one library
-function; a bad config or a missing path exits with status 2 before any work.
+function; a bad config or a missing path exits with status 2 before any work. Each command imports its
+library module inside its function, the only such imports in the package: `--help` and a refused config
+answer in a tenth of a second, without loading torch or transformers (seconds).
 """
 
 from __future__ import annotations

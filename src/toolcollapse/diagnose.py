@@ -22,9 +22,25 @@ from pathlib import Path
 from statistics import median
 from typing import Any, Mapping, Sequence
 
-from toolcollapse.alarms import (COLLAPSE_FLOOR, CONTENT_SERIES, SKILL_DROP, Alarm, Rule, content_rules, control_rules,
-                                 control_series, find_collapse, replay, run_rules, skill_collapse_step)
-from toolcollapse.config import MonitorConfig, RunConfig
+from toolcollapse.alarms import (
+    COLLAPSE_FLOOR,
+    CONTENT_SERIES,
+    SKILL_DROP,
+    Alarm,
+    Rule,
+    content_rules,
+    control_rules,
+    control_series,
+    find_collapse,
+    replay,
+    run_rules,
+    skill_collapse_step,
+)
+from toolcollapse.autopsy import format_autopsy, run_autopsy
+from toolcollapse.config import ConfigError, MonitorConfig, RunConfig, load_config
+from toolcollapse.figures import plot_content, plot_control_tokens, plot_errors, plot_states
+from toolcollapse.rundir import resume_config
+from toolcollapse.runtime import read_jsonl
 
 # Series any trainer logs, watched for a change in either direction (the healthy rate: for a fall).
 BASELINES = {"entropy": 0, "approx_kl_old": 0, "grad_norm": 0, "reward_std_within_group": 0,
@@ -80,25 +96,17 @@ def diagnose_rows(rows: Sequence[Mapping[str, Any]], rules: Sequence[Rule], base
 def read_run(run_dir: Path) -> tuple[RunConfig, list[dict[str, Any]]]:
     """A run's config and metric rows: one of ours, or the output directory of a TRL run monitored by
     toolcollapse.integrations.trl (its monitor.jsonl rows merged by step, its monitor.yaml)."""
-    from toolcollapse.rundir import resume_config
-    from toolcollapse.runtime import read_jsonl
-
     if not (Path(run_dir) / "metrics.jsonl").is_file() and (Path(run_dir) / "monitor.jsonl").is_file():
         return read_trl_run(Path(run_dir))
     cfg = resume_config(run_dir)
     path = Path(run_dir) / "metrics.jsonl"
     rows = read_jsonl(path) if path.is_file() else []
     if not rows:
-        from toolcollapse.config import ConfigError
-
         raise ConfigError(f"{path}: no metrics yet (has the run taken a step?)")
     return cfg, rows
 
 
 def read_trl_run(out_dir: Path) -> tuple[RunConfig, list[dict[str, Any]]]:
-    from toolcollapse.config import ConfigError, load_config
-    from toolcollapse.runtime import read_jsonl
-
     config = out_dir / "monitor.yaml"
     if not config.is_file():
         raise ConfigError(f"{out_dir}: monitor.jsonl without monitor.yaml; was it written by "
@@ -123,8 +131,6 @@ def diagnose_run(run_dir: Path, out_dir: Path | None = None, figures: bool = Tru
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "summary.json").write_text(json.dumps(d.to_json(), indent=2))
     if figures:
-        from toolcollapse.figures import plot_content, plot_control_tokens, plot_errors, plot_states
-
         plot_control_tokens(rows, control_series(m.control_tokens), d, out_dir / "control_tokens.png")
         if any(CONTENT_SERIES[0] in r for r in rows):
             plot_content(rows, d, out_dir / "content.png")
@@ -217,8 +223,6 @@ def format_lead_table(rows: Sequence[Mapping[str, Any]], event: str = "collapse"
 
 def format_sweep(specs: Sequence[Any], baseline_warmup: int) -> str:
     """Per-run collapse and first alarm, then the lead-time table, for every run of a sweep with metrics."""
-    from toolcollapse.runtime import read_jsonl
-
     runs, lines = [], []
     for spec in specs:
         path = Path(spec.run_dir) / "metrics.jsonl"
@@ -259,8 +263,6 @@ def format_sweep(specs: Sequence[Any], baseline_warmup: int) -> str:
 def autopsy_dump(path: Path, tokenizer: str, fmt: str = "auto", tools: str | None = None,
                  batch_size: int | None = None, out_dir: Path | None = None, figures: bool = True) -> str:
     """Four-state and error-type rates per step of a dump (autopsy.py); summary.json and figures in out_dir."""
-    from toolcollapse.autopsy import format_autopsy, run_autopsy
-
     rows, notes = run_autopsy(path, tokenizer, fmt, tools, batch_size)
     out_dir = Path(out_dir) if out_dir else Path(path).with_name(Path(path).stem + "_diagnose")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -268,8 +270,6 @@ def autopsy_dump(path: Path, tokenizer: str, fmt: str = "auto", tools: str | Non
                "collapse_step": find_collapse(rows, MonitorConfig.collapse_hold).step if rows else None}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if figures and rows:
-        from toolcollapse.figures import plot_errors, plot_states
-
         plot_states(rows, None, out_dir / "states.png")
         plot_errors(rows, None, out_dir / "errors.png")
     return format_autopsy(rows, notes) + f"\nwrote {out_dir}/summary.json" + (

@@ -19,6 +19,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from toolcollapse.alarms import CONTENT_SERIES, control_rules, control_series
+from toolcollapse.diagnose import lead_table
+from toolcollapse.records import TurnState
 from toolcollapse.results import Arm, Study, healthy_through
 from toolcollapse.stats import PairedDiff, verdict
 
@@ -97,8 +100,6 @@ def _signals(study: Study, lr: float | None) -> list[Arm]:
 
 
 def _f1_collapse_keeps_skill(study: Study, r: Rates) -> Finding:
-    from toolcollapse.alarms import CONTENT_SERIES
-
     claim = ("1. GRPO collapses although the model keeps the skill (the format goes, the probe's content "
              "log-prob stays)")
     lr = study.plain_lrs[0] if study.plain_lrs else None
@@ -126,8 +127,6 @@ def _f1_collapse_keeps_skill(study: Study, r: Rates) -> Finding:
 
 
 def _f2_control_tokens_spike(study: Study, r: Rates) -> Finding:
-    from toolcollapse.alarms import control_series
-
     claim = ("2. The collapse comes with a spike on control tokens (probe: x10 odds or more, to 1 % or more, by the "
              "collapse step)")
     series = control_series(study.monitor.control_tokens)
@@ -159,8 +158,6 @@ def _logodds(p: float) -> float:
 
 
 def _f3_four_states(study: Study, r: Rates) -> Finding:
-    from toolcollapse.records import TurnState
-
     claim = "3. Every turn falls in one of four states, and all four occur (>= 5 % of turns at some step)"
     peak = {s.value: 0.0 for s in TurnState}
     for arm in study.arms:
@@ -334,9 +331,6 @@ def _own_adaptive_vs_fixed(study: Study, r: Rates) -> Finding:
 
 
 def _own_alarm_leads(study: Study, r: Rates) -> Finding:
-    from toolcollapse.alarms import control_rules, control_series
-    from toolcollapse.diagnose import lead_table
-
     claim = ("Ours: the control-token alarm fires before a collapse (>= 2/3 of collapsed runs) and seldom "
              "elsewhere (<= 1/3 of the runs that did not collapse)")
     series = control_series(study.monitor.control_tokens)

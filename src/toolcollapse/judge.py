@@ -31,6 +31,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
+from toolcollapse.chat_models import answering_chat_model, from_factory
+from toolcollapse.config import ChatModelConfig
+from toolcollapse.parser import parse_turn
 from toolcollapse.records import Episode, Message, Task, ToolCall
 
 MISTAKES = ("malformed", "wrong_tool", "miscopied_argument", "wrong_argument", "stopped_early", "extra_call",
@@ -187,8 +190,6 @@ def llm_judge_messages(task: Task, episode: Episode, decode: Callable[[Sequence[
 def read_reflection(text: str, task: Task, turn: int | None, tools: Any = None) -> tuple[str | None, str]:
     """(the reflection in our words, None) for a reply that has the four parts and whose corrected calls parse
     (our parser) and equal the reference's calls from `turn` on; (None, why) otherwise."""
-    from toolcollapse.parser import parse_turn
-
     found = {m.group(1).lower(): m for m in _PART.finditer(text)}
     missing = [p for p in PARTS if p not in found]
     if missing:
@@ -281,13 +282,9 @@ def load_judge(spec: Any) -> Judge:
     first: a wrong address, model name, key or source stops the run here (ConfigError)."""
     if isinstance(spec, str):
         spec = {"kind": "deterministic"} if spec == "deterministic" else {"kind": "factory", "factory": spec}
-        from toolcollapse.config import ChatModelConfig
-
         spec = ChatModelConfig(**spec)
     if spec.kind == "deterministic":
         return deterministic_judge
-    from toolcollapse.chat_models import answering_chat_model, from_factory
-
     if spec.kind in ("hf", "openai"):
         # a server takes `concurrency` calls at once; a local model generates one at a time (its lock)
         return LLMJudge(answering_chat_model(spec), spec.max_failures,

@@ -46,7 +46,16 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from toolcollapse.chat import ENDOFTEXT, IM_END, IM_START, TOOL_CALL, TOOL_CALL_END, TOOL_RESPONSE, TOOL_RESPONSE_END
+from toolcollapse.chat import (
+    ENDOFTEXT,
+    IM_END,
+    IM_START,
+    TOOL_CALL,
+    TOOL_CALL_END,
+    TOOL_RESPONSE,
+    TOOL_RESPONSE_END,
+    assistant_body,
+)
 from toolcollapse.encoding import Example, collate
 from toolcollapse.model import PrefixCache, device_of, logits_after, logits_at, shared_prefix_len
 
@@ -169,8 +178,6 @@ def content_labels(encoder: Any, messages: Sequence[Any], call_end: str = "templ
     """The Content of every trained target of one oracle conversation (NO_CONTENT where none), in the
     order of `slots`. A value counts as copied when its text occurs in what the model was given before
     the turn: the user's questions and the tool results (not the system prompt, not its own calls)."""
-    from toolcollapse.chat import assistant_body
-
     out: list[int] = []
     context = ""
     for message in messages:

@@ -20,7 +20,11 @@ import subprocess
 from pathlib import Path
 from typing import Any, Sequence
 
-from toolcollapse.findings import (EARLY_STEP, PAPER_ORDER, PAPER_QWEN25_1P5B, Finding, Rates, findings, rates)
+from toolcollapse.alarms import content_rules, control_rules, control_series, run_rules
+from toolcollapse.config import load_config, sft_tasks_read
+from toolcollapse.diagnose import BASELINE_WARMUP, baseline_rules, diagnose_rows, lead_table
+from toolcollapse.figures import plot_control_tokens, plot_states_grid
+from toolcollapse.findings import EARLY_STEP, PAPER_ORDER, PAPER_QWEN25_1P5B, Finding, Rates, findings, rates
 from toolcollapse.results import Arm, Study, healthy_through, load_study, mean_of
 from toolcollapse.stats import PairedDiff, verdict
 
@@ -115,8 +119,6 @@ def checkpoint_params(path: Path) -> int | None:
 
 def setup_text(study: Study, r: Rates, command: str) -> list[str]:
     """The paragraphs that say what ran: model, start, RL, evaluation, provenance."""
-    from toolcollapse.config import load_config, sft_tasks_read
-
     sweep = study.sweep
     init = Path(sweep.init)
     rl = next((a.cfg for a in study.arms if a.schedule != "sft_only"), study.arms[0].cfg if study.arms else None)
@@ -326,9 +328,6 @@ def paper_table(study: Study, r: Rates) -> tuple[str, list[str], list[list[str]]
 
 
 def monitor_table(study: Study) -> tuple[str, list[str], list[list[str]]]:
-    from toolcollapse.alarms import content_rules, control_rules, control_series
-    from toolcollapse.diagnose import BASELINE_WARMUP, baseline_rules, lead_table
-
     m = study.monitor
     panel = {"control tokens (the run's detector)": control_rules(m),
              "control tokens, absolute scale": control_rules(m, scale="absolute"),
@@ -352,10 +351,6 @@ def monitor_table(study: Study) -> tuple[str, list[str], list[list[str]]]:
 
 
 def figures(study: Study, r: Rates, out: Path) -> list[tuple[str, Path, str]]:
-    from toolcollapse.alarms import control_series, run_rules
-    from toolcollapse.diagnose import diagnose_rows
-    from toolcollapse.figures import plot_control_tokens, plot_states_grid
-
     out.mkdir(parents=True, exist_ok=True)
     made = []
     lr = r.down if r.down is not None else (study.plain_lrs or [None])[0]

@@ -21,8 +21,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from toolcollapse.alarms import rolling_mean
+from toolcollapse.checkpoint import complete_checkpoints
 from toolcollapse.config import MonitorConfig, RunConfig
+from toolcollapse.runtime import read_jsonl
 from toolcollapse.stats import PairedDiff, compare_arms
+from toolcollapse.sweep import WINDOW, eval_splits, start_eval_dir, summarize_run
 from toolcollapse.tries import base_name, expand, read_selection
 
 
@@ -143,8 +147,6 @@ class Study:
 
 def read_outcomes(path: Path) -> dict[str, float]:
     """{task id: success} of an evaluation file; a task with several (sampled) episodes: their mean."""
-    from toolcollapse.runtime import read_jsonl
-
     wins: dict[str, list[float]] = {}
     for r in read_jsonl(path):
         wins.setdefault(r["task_id"], []).append(float(r["success"]))
@@ -157,16 +159,10 @@ def _summary(path: Path) -> dict[str, Any]:
 
 
 def evaluation_names(sweep: Any) -> tuple[list[str], str | None]:
-    from toolcollapse.sweep import eval_splits
-
     return eval_splits(sweep), (f"{sweep.eval_split}-sampled" if getattr(sweep, "eval_samples", 0) else None)
 
 
 def load_study(sweep: Any, specs: Sequence[Any]) -> Study:
-    from toolcollapse.checkpoint import complete_checkpoints
-    from toolcollapse.runtime import read_jsonl
-    from toolcollapse.sweep import start_eval_dir, summarize_run
-
     splits, sampled = evaluation_names(sweep)
     names = splits + ([sampled] if sampled else [])
     start_dir = start_eval_dir(sweep)
@@ -221,9 +217,6 @@ def load_study(sweep: Any, specs: Sequence[Any]) -> Study:
 def healthy_through(rows: Sequence[dict[str, Any]], step: int) -> float | None:
     """The lowest 5-step trailing mean of the healthy-turn rate over steps 0..`step` (None: the run has not
     reached it). A mean: one step's rate, ~250 sampled turns at T = 1, moves by a few points on its own."""
-    from toolcollapse.alarms import rolling_mean
-    from toolcollapse.sweep import WINDOW
-
     early = [r["healthy_rate"] for r in rows if r["step"] <= step]
     return min(rolling_mean(early, WINDOW)) if rows and rows[-1]["step"] >= step else None
 

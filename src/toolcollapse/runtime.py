@@ -16,6 +16,8 @@ from typing import Any, Iterable
 
 from tqdm.auto import tqdm
 
+from toolcollapse.config import ConfigError
+
 
 def seed_everything(seed: int) -> None:
     import numpy as np  # here, not at the top: the CLI's checks import this module before any torch
@@ -47,8 +49,6 @@ def check_new_run_dir(path: Path, overwrite: bool, kind: str, resume_hint: str =
     """Refuse an output directory that is not empty, before anything is written: it holds another
     run (unless `overwrite`, which replaces a run of the same kind and nothing else) or other files.
     Raises ConfigError naming what is there and the ways out."""
-    from toolcollapse.config import ConfigError
-
     path = Path(path)
     if not path.exists():
         return
@@ -85,8 +85,6 @@ def lock_dir(path: str | Path, what: str) -> None:
     a second job on it is a ConfigError at once, naming the directory and the holder's pid. The kernel releases
     the lock when the process ends, however it ends, so a crashed run leaves none behind. Taking it again in the
     same process is a no-op."""
-    from toolcollapse.config import ConfigError
-
     lock = lock_file(path)
     if lock in _HELD:
         return
@@ -121,8 +119,6 @@ def check_writable(path: str | Path, need_bytes: int = 0) -> None:
     """ConfigError before any work when `path` (or, if it does not exist yet, its nearest existing parent)
     cannot take a file, or has less than `need_bytes` free: as root, mode bits say nothing (an immutable or
     read-only file system does), so a file is really created and removed."""
-    from toolcollapse.config import ConfigError
-
     target = Path(path)
     while not target.exists():
         target = target.parent

@@ -24,9 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from toolcollapse.checkpoint import complete_checkpoints
 from toolcollapse.config import ConfigError, RunConfig, dump_config, first_difference, load_config
+from toolcollapse.report import write_provenance, write_report
+from toolcollapse.runtime import check_new_run_dir, check_writable, lock_dir
+from toolcollapse.sft import CONFIG_FILE, FINISHED, run_sft
 from toolcollapse.sweep import SweepConfig, check_start, load_sweep, run_sweep, start_eval_dir
-from toolcollapse.tries import SELECTION_FILE
+from toolcollapse.tries import SELECTION_FILE, base_name, choose, expand, pending, read_selection
 
 FINGERPRINT = "init.sha256"  # <out_dir>/start/init.sha256: the weights every run of the study started from
 STUDY_FILE = "study.yaml"  # <out_dir>/study.yaml: the study as it ran (its file with the overrides applied)
@@ -43,8 +47,6 @@ LEGACY_SFT_FILES = ("config.json", "model.safetensors", "tokenizer_config.json",
 def sft_finished(path: Path) -> bool:
     """`run_sft` finished there: its marker, or (an SFT from before the marker) every file it saves, the
     tokenizer's last."""
-    from toolcollapse.sft import FINISHED
-
     path = Path(path)
     return (path / FINISHED).is_file() or all((path / name).is_file() for name in LEGACY_SFT_FILES)
 
@@ -83,8 +85,6 @@ class StudyPlan:
 
 def choose_tries(study: StudyConfig) -> bool:
     """Choose every setting's try that can be chosen now (tries.choose); True if a choice was made."""
-    from toolcollapse.tries import choose, expand, pending, read_selection
-
     settings = expand(study.settings, study.seeds)
     before = pending(settings, read_selection(study.out_dir))
     if not before:
@@ -96,16 +96,12 @@ def choose_tries(study: StudyConfig) -> bool:
 
 def passed_over(study: StudyConfig, spec: Any) -> bool:
     """A try that was not chosen: its run at the first seed is all it gets (scored on select_split only)."""
-    from toolcollapse.tries import base_name, read_selection
-
     record = read_selection(study.out_dir).get(base_name(spec.setting))
     return record is not None and record["tries"][record["chosen"]]["setting"] != spec.setting
 
 
 def greedy_success(run_dir: Path, split: str) -> float | None:
     """The greedy success of a run's final checkpoint on `split` (None: not evaluated there)."""
-    from toolcollapse.checkpoint import complete_checkpoints
-
     done = complete_checkpoints(run_dir)
     summary = done[-1] / "eval" / f"{split}.summary.json" if done else None
     if summary is None or not summary.is_file():
@@ -114,8 +110,6 @@ def greedy_success(run_dir: Path, split: str) -> float | None:
 
 
 def finished_run(spec: Any) -> bool:
-    from toolcollapse.checkpoint import complete_checkpoints
-
     done = complete_checkpoints(spec.run_dir)
     return bool(done) and done[-1].name == f"step_{spec.cfg.grpo.steps:06d}"
 
@@ -134,8 +128,6 @@ def plan_study(path: str | Path, overrides: list[str] = ()) -> StudyPlan:
             sft = load_config(study.sft_config)
         except ConfigError as err:
             raise ConfigError(f"sft_config: {err}") from None
-    from toolcollapse.runtime import check_new_run_dir, check_writable, lock_dir
-
     lock_dir(study.out_dir, "study")  # before any work: a second study on the same out_dir stops here
     check_writable(study.out_dir, 64 << 20)
     if need_sft:
@@ -149,8 +141,6 @@ def plan_study(path: str | Path, overrides: list[str] = ()) -> StudyPlan:
 
 def check_trained_by(checkpoint: Path, sft: RunConfig, source: str) -> None:
     """A finished SFT checkpoint is the one `sft` (read from `source`) would train."""
-    from toolcollapse.sft import CONFIG_FILE
-
     difference = first_difference(load_config(checkpoint / CONFIG_FILE), sft, ("threads", "device", "out_dir", "name"))
     if difference:
         key, was, now = difference
@@ -162,12 +152,7 @@ def run_study(plan: StudyPlan) -> Path:
     """Run the study's stages; the report's path."""
     from tqdm import tqdm
 
-    from toolcollapse.report import write_report
-
     study, specs = plan.study, plan.specs
-    from toolcollapse.report import write_provenance
-    from toolcollapse.runtime import lock_dir
-
     lock_dir(study.out_dir, "study")
     Path(study.out_dir).mkdir(parents=True, exist_ok=True)
     dump_config(study, Path(study.out_dir) / STUDY_FILE)
@@ -179,8 +164,6 @@ def run_study(plan: StudyPlan) -> Path:
     if plan.sft is not None:
         bar.set_postfix_str(f"stage: SFT -> {study.init}")
         bar.write(f"study: {study.init} holds no finished SFT; training it ({study.sft_config})")
-        from toolcollapse.sft import run_sft
-
         run_sft(plan.sft, study.init, overwrite=True)
         check_start(study)
         bar.reset(total)  # the ETA of the runs should not count the SFT's time
@@ -223,7 +206,5 @@ def study_file(path: str | Path) -> Path:
 
 def report(path: str | Path, overrides: list[str] = (), out_dir: str | Path | None = None) -> Path:
     """`toolcollapse report`: the report of the runs a study or sweep file (or a study directory) names."""
-    from toolcollapse.report import write_report
-
     study, specs = load_sweep(study_file(path), overrides, cls=StudyConfig, init_ready=False)
     return write_report(study, specs, Path(out_dir) if out_dir else None)

@@ -48,6 +48,7 @@ from typing import Any, Literal, Sequence
 
 import torch.nn.functional as F
 
+from toolcollapse.chat_models import answering_chat_model, from_factory
 from toolcollapse.encoding import Example, batch_logits
 from toolcollapse.parser import first_rejected_control
 from toolcollapse.records import CallEnd, Episode, Message, Task
@@ -176,8 +177,6 @@ def load_hint_writer(hbg: Any) -> Any:
     spec = hbg.hint_writer
     if spec.kind == "template":
         return functools.partial(hint, level=hbg.level, calls=hbg.calls)
-    from toolcollapse.chat_models import answering_chat_model, from_factory
-
     if spec.kind in ("hf", "openai"):
         return LLMHintWriter(answering_chat_model(spec), hbg.level, hbg.calls, spec.max_failures)
     return from_factory(spec, "supervision.hbg.hint_writer")

@@ -28,9 +28,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from toolcollapse.runtime import STOP_FILE_ENV, StopOnSignal, lock_dir
-from toolcollapse.config import (Checked, ConfigError, Count, NonNegInt, Positive, RunConfig, Split, checkpoint_problems,
-                                 first_difference, load_config, rl_problems)
+from toolcollapse.alarms import find_collapse, rolling_mean
+from toolcollapse.checkpoint import complete_checkpoints
+from toolcollapse.config import (
+    Checked,
+    ConfigError,
+    Count,
+    NonNegInt,
+    Positive,
+    RunConfig,
+    Split,
+    checkpoint_problems,
+    first_difference,
+    load_config,
+    rl_problems,
+)
+from toolcollapse.envs import make_env
+from toolcollapse.evaluate import rollout_limits, run_eval
+from toolcollapse.rl import matched_tokens, run_rl
+from toolcollapse.rundir import RUN_CONFIG
+from toolcollapse.runtime import STOP_FILE_ENV, StopOnSignal, hide_progress, lock_dir, read_jsonl
+from toolcollapse.supervision import sft_tokens_so_far
+from toolcollapse.tries import (
+    MATCH_KEY,
+    base_name,
+    check_selection,
+    expand,
+    match_target,
+    read_selection,
+    run_seeds,
+)
 
 START_DIR = "start"  # <out_dir>/start/eval/: the sweep's evaluation of its starting checkpoint
 STOP_FILE = ".stop"  # <out_dir>/.stop: written on SIGTERM / SIGINT, read by every run of the sweep
@@ -91,8 +118,6 @@ def load_sweep(path: str | Path, overrides: list[str] = (), cls: type = SweepCon
     if init_ready and not (Path(sweep.init) / "config.json").is_file():
         raise ConfigError(f"init checkpoint not found: {sweep.init} (no config.json there); train it first with "
                           f"`toolcollapse sft`, or run the study with `toolcollapse study`, which trains it")
-    from toolcollapse.tries import MATCH_KEY, check_selection, expand, match_target, read_selection, run_seeds
-
     settings = expand(sweep.settings, sweep.seeds)
     selection = read_selection(sweep.out_dir)
     check_selection(settings, selection, sweep.out_dir)
@@ -148,8 +173,6 @@ def _run_spec(sweep: SweepConfig, name: str, seed: int, sets: dict[str, Any]) ->
 
 def check_against_runs_there(specs: list[RunSpec]) -> None:
     """A run the sweep would resume must have been started with the config it would get now."""
-    from toolcollapse.rundir import RUN_CONFIG
-
     for spec in specs:
         saved = spec.run_dir / RUN_CONFIG
         if saved.is_file():
@@ -162,8 +185,6 @@ def check_against_runs_there(specs: list[RunSpec]) -> None:
 
 def check_matches(specs: list[RunSpec]) -> None:
     """An `sft_only` control's `match` is a run of this grid (it waits for it) or a finished one elsewhere."""
-    from toolcollapse.rl import matched_tokens
-
     after = run_after(specs)
     for spec in specs:
         match = spec.cfg.supervision.sft_only.match
@@ -190,8 +211,6 @@ def check_evaluations(sweep: SweepConfig, specs: list[RunSpec]) -> None:
 def evaluated(sweep: SweepConfig, spec: RunSpec) -> bool:
     """The run's final checkpoint is evaluated: eval_n > 0 and its setting (a try: the setting it tries) is in
     eval_settings (None: all)."""
-    from toolcollapse.tries import base_name
-
     return bool(sweep.eval_n) and (sweep.eval_settings is None or base_name(spec.setting) in sweep.eval_settings)
 
 
@@ -352,8 +371,6 @@ def _run_on_ray(jobs: list[tuple], sweep: SweepConfig, report: Callable[[str], N
 def _run_one(job: tuple[RunSpec | None, SweepConfig, bool, str]) -> str:
     from transformers.utils import logging as hf_logging
 
-    from toolcollapse.runtime import hide_progress
-
     hf_logging.disable_progress_bar()
     spec, sweep, quiet, cwd = job
     if not os.path.isdir(cwd):
@@ -366,9 +383,6 @@ def _run_one(job: tuple[RunSpec | None, SweepConfig, bool, str]) -> str:
     if spec is None:  # the starting checkpoint, evaluated once for comparison
         evaluate_checkpoint(Path(sweep.init), sweep, start_eval_dir(sweep))
         return f"eval of {sweep.init}"
-    from toolcollapse.checkpoint import complete_checkpoints
-    from toolcollapse.rl import run_rl
-
     done = complete_checkpoints(spec.run_dir)
     finished = bool(done) and done[-1].name == f"step_{spec.cfg.grpo.steps:06d}"
     if not finished:  # a run killed before its first checkpoint starts over in its own directory
@@ -382,8 +396,6 @@ def _run_one(job: tuple[RunSpec | None, SweepConfig, bool, str]) -> str:
 def undecided_try(sweep: SweepConfig, spec: RunSpec) -> bool:
     """The run is a try whose setting is not chosen yet: scored on select_split only (the chosen one gets the
     rest of its evaluations once it is chosen; the others never need them)."""
-    from toolcollapse.tries import base_name, expand, read_selection
-
     base = base_name(spec.setting)
     tried = {s.base for s in expand(sweep.settings, sweep.seeds) if s.try_index is not None}
     return base in tried and base not in read_selection(sweep.out_dir)
@@ -409,9 +421,6 @@ def evaluations(sweep: SweepConfig, splits: list[str] | None = None) -> list[tup
 def evaluate_checkpoint(checkpoint: Path, sweep: SweepConfig, eval_dir: Path, splits: list[str] | None = None) -> None:
     """Every evaluation (`evaluations`) under the sweep's one set of limits (`eval_config`), except where
     `eval_dir` already holds one of the same tasks under the same limits."""
-    from toolcollapse.envs import make_env
-    from toolcollapse.evaluate import rollout_limits, run_eval
-
     env = None
     for stem, cfg in evaluations(sweep, splits):
         summary_path = eval_dir / f"{stem}.summary.json"
@@ -438,9 +447,6 @@ def summarize_run(run_dir: Path, steps: int, hold: int) -> dict[str, Any]:
     `diagnose` uses: the raw healthy-turn rate below half its step-0 value, or below 20 %,
     for `hold` steps); the 5-step trailing means are for display only.
     """
-    from toolcollapse.alarms import find_collapse, rolling_mean
-    from toolcollapse.runtime import read_jsonl
-
     path = Path(run_dir) / "metrics.jsonl"
     rows = read_jsonl(path) if path.is_file() else []
     if not rows:
@@ -466,9 +472,6 @@ def summarize_run(run_dir: Path, steps: int, hold: int) -> dict[str, Any]:
 def run_cost(run_dir: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """SFT tokens the run trained on (the synchronous term and its phases; an sft_only run's phase) and
     its wall time: the steps' seconds plus the phases'."""
-    from toolcollapse.runtime import read_jsonl
-    from toolcollapse.supervision import sft_tokens_so_far
-
     path = Path(run_dir) / "phases.jsonl"
     phases = read_jsonl(path) if path.is_file() else []
     tokens = sft_tokens_so_far(rows) if rows else sum(p.get("phase/tokens", 0.0) for p in phases)
@@ -511,9 +514,6 @@ def summarize_runs(sweep: SweepConfig, specs: list[RunSpec]) -> list[dict[str, A
 def _eval_figures(run_dir: Path, split: str, start_dir: Path) -> dict[str, Any]:
     """Success of the run's final checkpoint, paired task by task with the starting checkpoint's
     when both were evaluated on the same tasks under the same rollout limits."""
-    from toolcollapse.checkpoint import complete_checkpoints
-    from toolcollapse.runtime import read_jsonl
-
     done = complete_checkpoints(run_dir)
     final = done[-1] / "eval" / f"{split}.jsonl" if done else None
     start = start_dir / f"{split}.jsonl"
@@ -607,8 +607,6 @@ def format_method_table(rows: list[dict[str, Any]], splits: list[str], start: di
 
 def start_success(sweep: SweepConfig) -> dict[str, float]:
     """The starting checkpoint's success per evaluated split."""
-    from toolcollapse.runtime import read_jsonl
-
     out = {}
     for split in eval_splits(sweep):
         path = start_eval_dir(sweep) / f"{split}.jsonl"

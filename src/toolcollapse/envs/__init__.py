@@ -1,4 +1,6 @@
-"""Environments: the synthetic tool world (default) and BFCL v4 multi-turn (`bfcl-eval`)."""
+"""Environments: the synthetic tool world (default) and BFCL v4 multi-turn (`bfcl-eval`).
+
+BFCL's modules are imported where it is chosen: they need the optional `bfcl-eval` package."""
 
 from __future__ import annotations
 

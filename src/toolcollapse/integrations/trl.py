@@ -72,9 +72,22 @@ import torch
 from transformers import TrainerCallback
 
 from toolcollapse.alarms import Alarm, Watcher, run_rules
-from toolcollapse.config import MonitorConfig, RunConfig
+from toolcollapse.autopsy import control_tag_ids, split_turns
+from toolcollapse.chat import CHAT_TEMPLATE, IM_END, PieceEncoder, generation_prompt, stop_tags, valid_text
+from toolcollapse.config import MonitorConfig, RunConfig, dump_config
+from toolcollapse.conversations import conversation_probe, read_conversations
+from toolcollapse.envs import make_env
+from toolcollapse.envs.toolworld import answer_matches
+from toolcollapse.evaluate import sampling_params
+from toolcollapse.interleave import Failure, judged, phase_examples
+from toolcollapse.judge import judge_all, load_judge
 from toolcollapse.losses import luffy_loss, unlikelihood
 from toolcollapse.monitor import ProbeSet, resolve_token_ids, run_probe, sampled_control_stats
+from toolcollapse.parser import first_rejected_control, parse_turn, parse_turn_ids
+from toolcollapse.records import Episode, ErrorType, ToolCall, TurnRecord, TurnState
+from toolcollapse.rl import probe_for
+from toolcollapse.rollout import RolloutEngine
+from toolcollapse.supervision import load_hint_writer, with_hint, without_hint
 
 try:
     from trl import GRPOTrainer
@@ -196,12 +209,8 @@ class TurnStates:
     the rates `rl.rollout_stats` logs (`state/*`, `error/*`, `healthy_rate`, `turns_per_episode`)."""
 
     def __init__(self, tokenizer: Any, tools: Mapping[str, Any] | None = None, call_end: str = "template"):
-        from toolcollapse.autopsy import control_tag_ids
-
         self.tokenizer, self.tools, self.call_end = tokenizer, tools, call_end
         self.id_to_tag, self.text_tags = control_tag_ids(tokenizer)
-        from toolcollapse.records import ErrorType, TurnState
-
         self.keys = (["n_rollouts", "n_turns"] + [f"state/{s.value}" for s in TurnState]
                      + [f"error/{e.value}" for e in ErrorType])
         self.counts = torch.zeros(len(self.keys), dtype=torch.float64)
@@ -209,10 +218,6 @@ class TurnStates:
     def add(self, completion_ids: torch.Tensor, mask: torch.Tensor) -> None:
         """[B, T] completions of one generation batch (`mask`: their tokens; a multi-turn completion's tool
         responses are split off by the chat format's turn boundaries)."""
-        from toolcollapse.autopsy import split_turns
-        from toolcollapse.chat import valid_text
-        from toolcollapse.parser import parse_turn, parse_turn_ids
-
         def decode(ids: list[int]) -> str:
             return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
@@ -232,8 +237,6 @@ class TurnStates:
 
     def reduce(self) -> dict[str, float]:
         """The rates over every rank's turns since the last call (a collective: call it on every rank)."""
-        from toolcollapse.records import TurnState
-
         counts = _gather_rows(self.counts[None]).sum(dim=0)
         self.counts = torch.zeros_like(self.counts)
         total = dict(zip(self.keys, counts.tolist()))
@@ -249,9 +252,6 @@ def rejected_controls(completion_ids: torch.Tensor, mask: torch.Tensor, id_to_ta
     """[B, T] bool: in each sampled turn of each completion, its first control token the grammar rejects.
     A completion's turns are its runs of sampled tokens (`mask`: a multi-turn completion's tool responses
     are 0 there), each cut after its `<|im_end|>`."""
-    from toolcollapse.chat import IM_END
-    from toolcollapse.parser import first_rejected_control
-
     out = torch.zeros_like(completion_ids, dtype=torch.bool)
     for b, (ids, m) in enumerate(zip(completion_ids.tolist(), mask.tolist())):
         turn: list[int] = []  # positions of the current turn
@@ -330,9 +330,6 @@ class ControlTokenCallback(TrainerCallback):
     def for_tool_world(cls, cfg: RunConfig, tokenizer: Any) -> ControlTokenCallback:
         """The probe `rl` builds for this run config: `monitor.probe_size` oracle conversations of its
         training split, with their content labels, at `rollout.temperature`."""
-        from toolcollapse.envs import make_env
-        from toolcollapse.rl import probe_for
-
         probe, token_ids = probe_for(cfg, make_env(cfg), tokenizer)
         return cls(probe, token_ids, cfg.monitor, cfg.rollout.temperature)
 
@@ -340,8 +337,6 @@ class ControlTokenCallback(TrainerCallback):
     def from_conversations(cls, path: str | Path, cfg: RunConfig, tokenizer: Any) -> ControlTokenCallback:
         """The probe built from one's own data: the first `monitor.probe_size` conversations of a JSON-lines
         file (`toolcollapse.conversations`; `toolcollapse probe FILE` shows what it watches)."""
-        from toolcollapse.conversations import conversation_probe, read_conversations
-
         probe = conversation_probe(read_conversations(path), tokenizer, cfg.monitor, cfg.rollout.call_end)
         return cls(probe, resolve_token_ids(tokenizer, cfg.monitor.control_tokens), cfg.monitor,
                    cfg.rollout.temperature)
@@ -355,8 +350,6 @@ class ControlTokenCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         from accelerate import PartialState
-
-        from toolcollapse.config import dump_config
 
         if PartialState().is_main_process:
             Path(args.output_dir).mkdir(parents=True, exist_ok=True)
@@ -793,10 +786,6 @@ def rollout_episode(task: Any, prompt_ids: Any, completion_ids: Any, sampled: An
     rollouts kept are failures.)"""
     import re
 
-    from toolcollapse.chat import PieceEncoder
-    from toolcollapse.parser import parse_turn_ids
-    from toolcollapse.records import Episode, TurnRecord
-
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
@@ -836,11 +825,6 @@ def rl_phase_data(cfg: RunConfig, tokenizer: Any, prs_target: str | None = None,
     (-100 where the example trains nothing); SFTTrainer takes them as they are with `SFTConfig(max_length=
     None)` (its default, 1024, would cut long prompts such as BFCL's)."""
     from datasets import Dataset
-
-    from toolcollapse.chat import PieceEncoder, generation_prompt
-    from toolcollapse.envs import make_env
-    from toolcollapse.interleave import Failure, judged, phase_examples
-    from toolcollapse.judge import judge_all, load_judge
 
     if prs_target not in (None, "reflection", "correction"):
         raise ValueError(f"prs_target {prs_target!r}: None (ETS), reflection or correction")
@@ -892,8 +876,6 @@ def speak_toolcollapse_chat(tokenizer: Any, model: Any, call_end: str = "templat
     schema before the call (transformers >= 5.15), and no turn has a token cap of its own -- for our exact
     rollouts inside TRL, `engine_rollouts`. vLLM generation takes its end tokens elsewhere: refused."""
     from trl.chat_template_utils import _SUPPORTS_RESPONSE_TEMPLATE, qwen3_schema, qwen3_template
-
-    from toolcollapse.chat import CHAT_TEMPLATE, IM_END, stop_tags
 
     if getattr(tokenizer, "chat_template", None) != CHAT_TEMPLATE:
         return None
@@ -973,8 +955,6 @@ def tool_world_environment(cfg: RunConfig) -> Any:
     tools sections): `reset(task_id=...)` starts a task of the dataset row (`tool_world_dataset`), one method
     per tool runs a call in the world's sandbox, with the task's facts (`ood_facts`: the counterfactual
     world). Every instance shares one world (its tool process, its tasks)."""
-    from toolcollapse.envs import make_env
-
     world = make_env(cfg)
     if getattr(world, "name", "") != "toolworld":
         raise ValueError(f"tool_world_environment needs env: toolworld, not {cfg.env!r}")
@@ -985,8 +965,6 @@ def tool_world_environment(cfg: RunConfig) -> Any:
         return None  # the question is the dataset row's prompt
 
     def _call(self: Any, name: str, arguments: dict[str, Any]) -> str:  # private: TRL offers public methods as tools
-        from toolcollapse.records import ToolCall
-
         arguments = {k: v for k, v in arguments.items() if v is not None}  # optional arguments not given
         self.calls.append((name, arguments))
         return world.run_call(ToolCall(name, arguments), self.task.meta.get("facts", "real"))
@@ -1014,8 +992,6 @@ def task_rows(tasks: Sequence[Any], system_prompt: bool = True) -> Any:
 def task_dataset(cfg: RunConfig, split: str = "train", n: int | None = None) -> Any:
     """The split's tasks of any of our environments (the tool world, BFCL multi-turn) as TRL rows for
     `engine_rollouts` (`task_rows`)."""
-    from toolcollapse.envs import make_env
-
     return task_rows(make_env(cfg).tasks(split, n))
 
 
@@ -1039,11 +1015,6 @@ def engine_rollouts(cfg: RunConfig, tokenizer: Any, split: str = "train", tasks:
     (`RolloutEngine.replay`, as `toolcollapse rl` builds OPS's expert rows); its HBG rows (`hbg`) sample
     with the hint `supervision.hbg` templates from the ground truth (its `level`, `calls`) in the system
     message and return the hint-free prompt to train on, as `rl` does (`supervision.group_rollouts`)."""
-    from toolcollapse.envs import make_env
-    from toolcollapse.evaluate import sampling_params
-    from toolcollapse.rollout import RolloutEngine
-    from toolcollapse.supervision import load_hint_writer, with_hint, without_hint
-
     env = make_env(cfg)
     pool = list(tasks if tasks is not None else env.tasks(split))
     by_id = {t.id: t for t in pool}
@@ -1136,15 +1107,11 @@ def tool_world_dataset(cfg: RunConfig, split: str = "train", n: int | None = Non
     template rendering the tools; with `system_prompt`, after the task's own system message, which
     documents them as our rollouts do (a model in toolcollapse's chat format, whose template does not
     render `tools`)."""
-    from toolcollapse.envs import make_env
-
     return task_rows(make_env(cfg).tasks(split, n), system_prompt)
 
 
 def tool_world_reward(completions: list[Any], environments: list[Any] | None = None, **_: Any) -> list[float]:
     """1 when the completion's last assistant message states the task's answer (`answer_matches`), else 0."""
-    from toolcollapse.envs.toolworld import answer_matches
-
     if environments is None:
         raise ValueError("tool_world_reward needs the environments: train with environment_factory")
     out = []
