@@ -62,6 +62,10 @@ SCENARIOS: dict[str, list[str]] = {
     "prs": [*ETS, "supervision.prs.enabled=true"],
     "unlikelihood": ["supervision.unlikelihood_coef=0.5"],
     "sft_term": ["supervision.sft_coef=0.5"],
+    # each mini-batch its own tasks' ground truth; unlikelihood logged over the last of two passes
+    "sft_term_minibatches": ["supervision.sft_coef=0.5", "grpo.prompts_per_step=4", "grpo.mini_batches=2"],
+    "unlikelihood_two_passes": ["supervision.unlikelihood_coef=0.5", "grpo.prompts_per_step=4", "grpo.mini_batches=2",
+                                "grpo.updates_per_batch=2"],
     "hybrid": [*OPS, "supervision.ops.shaping=none", "supervision.sft_coef=0.5"],
     "adaptive": ["supervision.adaptive.enabled=true", *ALARM, *PHASE],
     "sft_only": ["supervision.sft_only.tokens=3000", *PHASE],

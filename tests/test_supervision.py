@@ -13,15 +13,21 @@ import torch.nn.functional as F
 
 from toolcollapse.chat import PieceEncoder
 from toolcollapse.config import GRPOConfig
-from toolcollapse.update import build_batch, grpo_update
-from toolcollapse.rollout import RolloutEngine, SamplingParams
 from toolcollapse.encoding import batch_logits, encode_tasks
+from toolcollapse.rollout import RolloutEngine, SamplingParams
+from toolcollapse.signals import LuffyShaping, OptimizerStep, SFTTermLoss, Unlikelihood
 from toolcollapse.supervision import SFTTerm
+from toolcollapse.update import build_batch, grpo_update
 
 
 def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
+
+
+def _whole(batch, group_size: int) -> OptimizerStep:
+    """The one optimizer step of an RL step whose batch is a single mini-batch."""
+    return OptimizerStep(batch, 0, len(batch), len(batch), group_size, last_pass=True)
 
 def test_sft_term_gradient_is_coef_times_the_token_mean_nll_gradient(tiny_model, tokenizer, world):
     """Accumulated over micro-batches of 2, normalised by the tokens of all 5 conversations: exactly
@@ -52,9 +58,9 @@ def test_with_zero_advantages_the_step_is_the_sft_step(tiny_model, tokenizer, wo
     examples = encode_tasks(PieceEncoder(tokenizer), tasks)
     g = GRPOConfig(micro_batch_size=2, grad_clip=1e9, kl_coef=0.0)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    term = SFTTerm(0.5, 2, tokenizer.pad_token_id)
-    grpo_update(model, None, torch.optim.SGD(model.parameters(), lr=1.0), batch, g,
-                extra=lambda: bool(term.backward(model, examples)))
+    term = SFTTermLoss(SFTTerm(0.5, 2, tokenizer.pad_token_id), examples)
+    term.begin(_whole(batch, group_size=2))
+    grpo_update(model, None, torch.optim.SGD(model.parameters(), lr=1.0), batch, g, terms=[term])
     moved = {n: before[n] - p.detach() for n, p in model.named_parameters()}
 
     reference = copy.deepcopy(tiny_model).train()
@@ -138,15 +144,17 @@ def test_unlikelihood_term_gradient_in_the_update(tiny_model, tokenizer, world):
     assert int(batch.unlikely.sum()) == 2 and bool((batch.unlikely <= batch.target_mask).all())
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     g = GRPOConfig(micro_batch_size=2, grad_clip=1e9, kl_coef=0.0)
-    stats = grpo_update(model, None, torch.optim.SGD(model.parameters(), lr=1.0), batch, g, unlikelihood_coef=0.7)
+    term = Unlikelihood(0.7)
+    term.begin(_whole(batch, group_size=2))
+    stats = grpo_update(model, None, torch.optim.SGD(model.parameters(), lr=1.0), batch, g, terms=[term])
     moved = {n: before[n] - p.detach() for n, p in model.named_parameters()}
 
     reference = copy.deepcopy(tiny_model).train()
     logp, _ = policy_logprobs(reference, batch)
     ul = unlikelihood(logp[batch.unlikely[batch.target_mask]])
     (0.7 * ul.mean()).backward()
-    assert stats.terms["sup/unlikely_tokens"] == 2
-    assert stats.terms["sup/unlikelihood"] == pytest.approx(ul.mean().item(), rel=1e-5)
+    assert term.metrics()["sup/unlikely_tokens"] == 2
+    assert term.metrics()["sup/unlikelihood"] == pytest.approx(ul.mean().item(), rel=1e-5)
     assert stats.loss == pytest.approx(0.0, abs=1e-9)  # zero advantages: no policy loss
     assert all(torch.allclose(moved[n], p.grad, atol=1e-6) for n, p in reference.named_parameters())
     assert any(p.grad.abs().max() > 0 for p in reference.parameters())
@@ -251,7 +259,8 @@ def test_the_update_shapes_expert_tokens_and_clips_the_others(tiny_model, tokeni
     for gamma in (0.1, 0.0):
         model = copy.deepcopy(tiny_model).train()
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        grpo_update(model, None, torch.optim.SGD(model.parameters(), lr=1.0), batch, g, luffy_gamma=gamma)
+        grpo_update(model, None, torch.optim.SGD(model.parameters(), lr=1.0), batch, g,
+                    terms=[LuffyShaping(gamma)] if gamma else [])
         moved = {n: before[n] - p.detach() for n, p in model.named_parameters()}
         reference = copy.deepcopy(tiny_model).train()
         logp, _ = policy_logprobs(reference, batch)

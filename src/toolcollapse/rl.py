@@ -74,7 +74,8 @@ from toolcollapse.interleave import (PHASES, PhaseRunner, adaptive_handler, coll
                                      latest_per_task, log_failures, read_failures, sft_phase, trained_tokens)
 from toolcollapse.judge import Judge, load_judge
 from toolcollapse.encoding import encode_tasks
-from toolcollapse.supervision import (SFTTerm, StepSupervision, group_rollouts, load_hint_writer, sft_tokens_so_far,
+from toolcollapse.signals import step_terms
+from toolcollapse.supervision import (SFTTerm, group_rollouts, load_hint_writer, sft_tokens_so_far,
                                       unlikely_positions)
 from toolcollapse.rundir import (RUN_CONFIG, StorageError, check_run_start, log_step, open_tensorboard, resume_config,
                                  truncate_logs)
@@ -308,13 +309,11 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
             set_lr(optimizer, lr)
             rewards = rewards_tensor(episodes, g.format_reward, g.partial_credit, {t.id: t for t in tasks})
             share_rows = m.grad_share_rows if m.grad_share_every and step % m.grad_share_every == 0 else 0
-            sup = StepSupervision(
-                sft_term, encode_tasks(engine.encoder, tasks, cfg.rollout.call_end) if sft_term else (),
-                s.unlikelihood_coef,
-                unlikely_positions(episodes, engine.id_to_tag, cfg.rollout.call_end) if s.unlikelihood_coef else None,
-                kinds if set(kinds) != {"policy"} else (), s.ops.gamma if s.ops.enabled and s.ops.shaping == "luffy" else 0.0)
+            terms = step_terms(s, sft_term, encode_tasks(engine.encoder, tasks, cfg.rollout.call_end) if sft_term else ())
+            unlikely = unlikely_positions(episodes, engine.id_to_tag, cfg.rollout.call_end) if s.unlikelihood_coef else None
             update_stats = policy_step(model, ref_model, optimizer, episodes, rewards, g, tokenizer.pad_token_id,
-                                       probe_tokens, share_rows, cfg.rollout.temperature, sup)
+                                       probe_tokens, share_rows, cfg.rollout.temperature,
+                                       kinds if set(kinds) != {"policy"} else (), unlikely, terms)
             if s.interleaved:
                 failed = collect_failures(step, episodes, kinds, phases.tasks, phases.judge_at(step, judge),
                                           engine.decode, prompt_len)

@@ -1,6 +1,9 @@
 """Supervision signals mixed into GRPO (arXiv 2606.26027; docs/DESIGN.md, "Supervision signals").
 
-So far two terms added to the GRPO loss. The synchronous SFT term: every GRPO step also minimises
+Their loss terms are in signals/ (the LUFFY shaping, unlikelihood, the SFT term's per-step loss); here are
+the SFT term's settings, the rows OPS and HBG put in a group, HBG's hints and unlikelihood's positions.
+
+Two terms are added to the GRPO loss. The synchronous SFT term: every GRPO step also minimises
 
     sft_coef * NLL(ground-truth conversations of the step's tasks)
 
@@ -74,18 +77,6 @@ class SFTTerm:
             (self.coef * nll / max(1, n_tokens)).backward()
             total += nll.item()
         return {"sup/sft_nll": total / max(1, n_tokens), "sup/sft_tokens": float(n_tokens)}
-
-
-@dataclass(frozen=True)
-class StepSupervision:
-    """What the supervision signals add to one GRPO step (all empty: plain GRPO)."""
-
-    sft: SFTTerm | None = None
-    sft_examples: Sequence[Example] = ()  # the ground truth of the step's tasks
-    unlikelihood_coef: float = 0.0
-    unlikely: Sequence[Sequence[int]] | None = None  # per rollout: positions of rejected control tokens
-    kinds: Sequence[RowKind] = ()  # per rollout, when some are not the policy's own (HBG, OPS)
-    luffy_gamma: float = 0.0  # > 0: expert rows take LUFFY's shaped loss (ops.shaping luffy)
 
 
 def sft_tokens_so_far(rows: Sequence[dict[str, Any]]) -> float:

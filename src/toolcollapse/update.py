@@ -16,18 +16,19 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
 
 import torch
 
 from toolcollapse.advantages import group_advantages
-from toolcollapse.losses import aggregate, kl_k3, luffy_loss, ppo_clip_loss, unlikelihood
+from toolcollapse.losses import aggregate, kl_k3, ppo_clip_loss
 from toolcollapse.model import device_of, logits_after, logits_at, run_prefix, shared_prefix_len
 from toolcollapse.monitor import control_gradient_share, sampled_control_stats
 from toolcollapse.records import Episode, PolicyBatch
 from toolcollapse.rollout import MIN_GROUP_SHARED
-from toolcollapse.supervision import StepSupervision
+from toolcollapse.signals import LossTerm, OptimizerStep
+from toolcollapse.supervision import RowKind
 
 
 def build_batch(episodes: Sequence[Episode], advantages: torch.Tensor, pad_id: int,
@@ -127,24 +128,18 @@ class UpdateStats:
     grad_norm: float
     skipped_nonfinite: int  # 1 when the step was skipped (non-finite loss or grad norm)
     n_tokens: int = 0  # sampled tokens in the update
-    terms: dict[str, float] = field(default_factory=dict)  # supervision terms computed in the same forward
 
 
 def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torch.optim.Optimizer,
                 batch: PolicyBatch, cfg: Any, collect: list | None = None, temperature: float = 1.0,
-                extra: Callable[[], bool] | None = None, unlikelihood_coef: float = 0.0,
-                luffy_gamma: float = 0.0) -> UpdateStats:
+                terms: Sequence[LossTerm] = ()) -> UpdateStats:
     """One optimizer step over the whole batch, in micro-batches (gradient accumulation).
 
     `collect`, if given, receives (targets, logp, old_logp, entropy) [M] per micro-batch,
-    detached: the monitor's statistics come from this forward at no extra cost. `extra`, if
-    given, adds another loss's gradient to the same step (a supervision term) and returns
-    whether that loss was finite. `unlikelihood_coef` > 0 adds coef * mean -log(1 - p) over the
-    batch's `unlikely` tokens, from the same forward. `luffy_gamma` > 0: the tokens of the batch's
-    `expert` rows take LUFFY's shaped loss -A * p / (p + gamma) instead of the clipped surrogate
-    (and stay out of `collect`: the policy did not sample them)."""
+    detached: the monitor's statistics come from this forward at no extra cost; the tokens of the
+    batch's `expert` rows stay out (the policy did not sample them). `terms`: the supervision signals'
+    loss terms (signals/), each already told which optimizer step this is (`LossTerm.begin`)."""
     n_tokens, n_seqs = int(batch.target_mask.sum()), len(batch)
-    n_unlikely = int(batch.unlikely.sum()) if unlikelihood_coef > 0 and batch.unlikely is not None else 0
     sums: Counter[str] = Counter()
     finite = True
     prefix, parts = update_plan(model, batch, cfg)
@@ -154,9 +149,8 @@ def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torc
         seq_ids = mb.target_mask.nonzero()[:, 0]  # [M] row of each sampled token
         adv = mb.advantages[seq_ids]
         pg, pg_stats = ppo_clip_loss(logp, old, adv, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
-        off = mb.expert[seq_ids] if mb.expert is not None else None  # [M] tokens of off-policy rows
-        if luffy_gamma > 0 and off is not None:
-            pg = torch.where(off, luffy_loss(logp, adv, luffy_gamma), pg)
+        for term in terms:
+            pg = term.token_loss(pg, logp, adv, mb, seq_ids)
         per_token = pg
         kl = torch.zeros_like(logp)
         if ref_logp is not None:
@@ -164,12 +158,12 @@ def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torc
             per_token = pg + cfg.kl_coef * kl
         loss = aggregate(per_token, seq_ids, cfg.loss_agg, n_tokens, n_seqs)  # the policy loss, as logged
         total = loss
-        if n_unlikely:
-            ul = unlikelihood(logp[mb.unlikely[mb.target_mask]])  # [K] the micro-batch's rejected tokens
-            total = loss + unlikelihood_coef * ul.sum() / n_unlikely
-            sums["unlikelihood"] += ul.sum().item()
+        for term in terms:
+            added = term.forward_loss(logp, mb)
+            if added is not None:
+                total = total + added
         if collect is not None:
-            own = slice(None) if off is None else ~off
+            own = slice(None) if mb.expert is None else ~mb.expert[seq_ids]  # [M] the policy's own tokens
             collect.append((mb.input_ids[mb.target_mask][own], logp.detach()[own], old[own], entropy.detach()[own]))
         finite &= bool(torch.isfinite(total))
         if finite:
@@ -188,8 +182,9 @@ def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torc
             sums["ratio_min"] = min(sums.get("ratio_min", math.inf), pg_stats.ratio_min)
     if prefix is not None and finite:
         prefix.backward()
-    if extra is not None and finite:
-        finite &= extra()
+    for term in terms:
+        if finite:
+            finite &= term.backward(model)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)) if finite else math.nan
     skipped = not (finite and math.isfinite(grad_norm))
     if not skipped:
@@ -201,56 +196,42 @@ def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torc
                        clip_frac_low=per_tok("clip_frac_low"), clip_frac_high=per_tok("clip_frac_high"),
                        dual_clip_frac=per_tok("dual_clip_frac"), ratio_mean=per_tok("ratio_mean"),
                        ratio_max=sums["ratio_max"], ratio_min=sums.get("ratio_min", 1.0),
-                       grad_norm=grad_norm, skipped_nonfinite=int(skipped), n_tokens=n_tokens,
-                       terms={"sup/unlikelihood": sums["unlikelihood"] / n_unlikely,
-                              "sup/unlikely_tokens": n_unlikely} if n_unlikely else {})
+                       grad_norm=grad_norm, skipped_nonfinite=int(skipped), n_tokens=n_tokens)
 
 
 def policy_step(model: Any, ref_model: Any | None, optimizer: torch.optim.Optimizer, episodes: Sequence[Episode],
                 rewards: torch.Tensor, g: Any, pad_id: int, control_ids: dict[str, int],
-                grad_share_rows: int = 0, temperature: float = 1.0,
-                sup: StepSupervision | None = None) -> dict[str, float]:
+                grad_share_rows: int = 0, temperature: float = 1.0, kinds: Sequence[RowKind] = (),
+                unlikely: Sequence[Sequence[int]] | None = None, terms: Sequence[LossTerm] = ()) -> dict[str, float]:
     """Advantages over the whole batch, then `updates_per_batch` passes over it, each one optimizer step per
     mini-batch of whole groups (`grpo.mini_batches`); their statistics. With grad_share_rows > 0, first the
-    control tokens' share of the gradient on that many rollouts. `sup`: the supervision terms, added to every
-    optimizer step (the SFT term on the ground truth of the mini-batch's own tasks)."""
-    sup = sup or StepSupervision()
+    control tokens' share of the gradient on that many rollouts. `kinds`: each row's, when some are not the
+    policy's own (HBG's hinted rows, OPS's expert rows); `unlikely`: per row, the positions of the control
+    tokens the grammar rejected; `terms`: the supervision signals' loss terms, in every optimizer step."""
     advantages, adv_stats = group_advantages(rewards, g.group_size, g.scale_adv_by_std)
     if g.skip_uninformative_steps and adv_stats.frac_groups_informative == 0:
         return {**asdict(adv_stats), "skipped_uninformative": 1, "skipped_nonfinite": 0}
-    batch = build_batch(episodes, advantages, pad_id, device_of(model), sup.unlikely,
-                        [k == "expert" for k in sup.kinds] if sup.kinds else None)
-    if sup.kinds and any(k != "policy" for k in sup.kinds):  # hinted and expert rows: old log-probs of this policy
-        recompute_old_logprobs(model, batch, [i for i, k in enumerate(sup.kinds) if k != "policy"], g, temperature)
+    batch = build_batch(episodes, advantages, pad_id, device_of(model), unlikely,
+                        [k == "expert" for k in kinds] if kinds else None)
+    if kinds and any(k != "policy" for k in kinds):  # hinted and expert rows: old log-probs of this policy
+        recompute_old_logprobs(model, batch, [i for i, k in enumerate(kinds) if k != "policy"], g, temperature)
     share = grad_share(model, batch, g, control_ids, grad_share_rows, temperature) if grad_share_rows else {}
     slices = group_slices(len(batch), g.group_size, g.mini_batches)
     parts = [batch.rows(slice(*rows)) for rows in slices]
     ref_logp = [reference_logprobs(ref_model, part, g, temperature) if ref_model is not None else None
                 for part in parts]
-    n_groups = len(batch) // g.group_size
-    sft_parts = [sup.sft_examples[a // g.group_size:b // g.group_size] if len(sup.sft_examples) == n_groups
-                 else sup.sft_examples for a, b in slices]
     collected: list = []  # per-token tensors of the last pass's forwards, for the control-token statistics
-    terms: Counter[str] = Counter()  # the supervision terms' statistics, summed over the optimizer steps
-    sft_calls = 0
     updates = []
     for epoch in range(g.updates_per_batch):
         last = epoch == g.updates_per_batch - 1
-        for part, ref, examples in zip(parts, ref_logp, sft_parts):
-            def add_sft_term(examples=examples) -> bool:
-                nonlocal sft_calls
-                stats = sup.sft.backward(model, examples)
-                terms.update(stats)
-                sft_calls += 1
-                return math.isfinite(stats["sup/sft_nll"])
-
+        for part, ref, (start, end) in zip(parts, ref_logp, slices):
+            for term in terms:
+                term.begin(OptimizerStep(part, start, end, len(batch), g.group_size, last))
             updates.append(grpo_update(model, ref, optimizer, part, g, collect=collected if last else None,
-                                       temperature=temperature, extra=add_sft_term if sup.sft else None,
-                                       unlikelihood_coef=sup.unlikelihood_coef, luffy_gamma=sup.luffy_gamma))
-    if sft_calls:
-        terms["sup/sft_nll"] /= sft_calls  # the mean NLL; sup/sft_tokens stays the sum trained on
-    return {**asdict(adv_stats), **combine_updates(updates, len(parts)), **control_stats(collected, control_ids), **share,
-            **terms, "optimizer_steps": len(updates), "skipped_uninformative": 0}
+                                       temperature=temperature, terms=terms))
+    signals = {k: v for term in terms for k, v in term.metrics().items()}
+    return {**asdict(adv_stats), **combine_updates(updates), **control_stats(collected, control_ids), **share,
+            **signals, "optimizer_steps": len(updates), "skipped_uninformative": 0}
 
 
 def group_slices(n_rows: int, group_size: int, k: int) -> list[tuple[int, int]]:
@@ -262,10 +243,9 @@ def group_slices(n_rows: int, group_size: int, k: int) -> list[tuple[int, int]]:
     return [(j * per, (j + 1) * per) for j in range(k)]
 
 
-def combine_updates(updates: Sequence[UpdateStats], n_last: int = 1) -> dict[str, float]:
+def combine_updates(updates: Sequence[UpdateStats]) -> dict[str, float]:
     """One step's statistics over its optimizer steps: per-token means weighted by each step's tokens, the ratio's
-    extremes over all of them, the mean gradient norm (and its largest), skipped steps counted; the unlikelihood
-    term's over the last pass (its `n_last` steps)."""
+    extremes over all of them, the mean gradient norm (and its largest), skipped steps counted."""
     weights = [max(1, u.n_tokens) for u in updates]
 
     def mean_of(key: str) -> float:  # over the steps where it is finite (a skipped step's loss can be NaN)
@@ -278,12 +258,6 @@ def combine_updates(updates: Sequence[UpdateStats], n_last: int = 1) -> dict[str
     out.update(ratio_max=max(u.ratio_max for u in updates), ratio_min=min(u.ratio_min for u in updates),
                grad_norm=sum(finite) / len(finite) if finite else math.nan, grad_norm_max=max(finite, default=math.nan),
                skipped_nonfinite=sum(u.skipped_nonfinite for u in updates))
-    last_pass = updates[-n_last:]
-    unlikely = sum(u.terms.get("sup/unlikely_tokens", 0) for u in last_pass)
-    if unlikely:  # the batch's rejected control tokens (a pass's), and their mean -log(1 - p)
-        out["sup/unlikelihood"] = sum(u.terms.get("sup/unlikelihood", 0.0) * u.terms.get("sup/unlikely_tokens", 0)
-                                      for u in last_pass) / unlikely
-        out["sup/unlikely_tokens"] = unlikely
     return out
 
 

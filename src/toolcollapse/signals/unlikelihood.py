@@ -1,0 +1,41 @@
+"""Unlikelihood (arXiv 1908.04319; not in the paper): coef * mean -log(1 - p) over the mini-batch's rejected
+control tokens -- in each of the policy's own failed turns, the first control token the grammar rejects
+(`supervision.unlikely_positions`, the batch's `unlikely` mask) -- from the update's own forward pass: the
+collapse's spike pushed down where it happened. Logged over the last pass: `sup/unlikelihood` (the mean),
+`sup/unlikely_tokens` (their count)."""
+
+from __future__ import annotations
+
+import torch
+
+from toolcollapse.losses import unlikelihood
+from toolcollapse.records import PolicyBatch
+from toolcollapse.signals.base import LossTerm, OptimizerStep
+
+
+class Unlikelihood(LossTerm):
+    def __init__(self, coef: float):
+        self.coef = coef
+        self.n = 0  # the optimizer step's rejected tokens
+        self.last_pass = False
+        self.total = 0.0  # over the last pass: the terms' sum and their tokens
+        self.tokens = 0
+
+    def begin(self, step: OptimizerStep) -> None:
+        self.n = int(step.batch.unlikely.sum()) if step.batch.unlikely is not None else 0
+        self.last_pass = step.last_pass
+        if self.last_pass:
+            self.tokens += self.n
+
+    def forward_loss(self, logp: torch.Tensor, mb: PolicyBatch) -> torch.Tensor | None:
+        if not self.n:
+            return None
+        ul = unlikelihood(logp[mb.unlikely[mb.target_mask]])  # [K] the micro-batch's rejected tokens
+        if self.last_pass:
+            self.total += ul.sum().item()
+        return self.coef * ul.sum() / self.n
+
+    def metrics(self) -> dict[str, float]:
+        if not self.tokens:
+            return {}
+        return {"sup/unlikelihood": self.total / self.tokens, "sup/unlikely_tokens": self.tokens}
