@@ -43,7 +43,8 @@ def _steps_logged(run):
 def test_a_second_job_on_the_same_directory_stops_at_once_naming_the_holder(tmp_path, answering_checkpoint):
     config = _rl_config(tmp_path, answering_checkpoint, steps=6)
     run = tmp_path / "run"
-    first = _rl(config, run)
+    first = _rl(config, run, "--set", "grpo.steps=10000")  # still running when the second one asks (CI once
+    # saw a 6-step first job end before the second's interpreter started, and the second rightly ran)
     lock = tmp_path / ".run.lock"
     _wait_for(lambda: lock.is_file() and lock.read_text().strip() == str(first.pid), first)
     t0 = time.time()
