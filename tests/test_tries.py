@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from toolcollapse.config import ConfigError
-from toolcollapse.sweep import load_sweep
+from toolcollapse.sweep import load_sweep, undecided_try
 from toolcollapse.tries import choose, expand, read_selection
 
 
@@ -34,6 +34,7 @@ def _runs(specs):
 def test_before_the_choice_every_try_runs_its_first_seed_and_the_control_waits(tmp_path):
     sweep, specs = load_sweep(_sweep(tmp_path, SETTINGS))
     assert _runs(specs) == [("ets", 0), ("ets.t1", 0), ("plain", 0)]
+    assert {s.setting for s in specs if undecided_try(sweep, s)} == {"ets", "ets.t1"}  # scored on val only
     assert [s.cfg.supervision.phase.lr for s in specs if s.setting.startswith("ets")] == [3e-4, 1e-3]
 
 
@@ -51,6 +52,9 @@ def test_after_the_choice_the_chosen_try_runs_every_seed_and_the_control_matches
     control = [s for s in specs if s.setting == "sft_only_ets"]
     assert control[1].cfg.supervision.sft_only.match == str(tmp_path / "out" / "ets.t1" / "seed{seed}")
     assert {c.cfg.supervision.phase.lr for c in control} == {1e-3}  # the chosen try's phase LR carries over
+    # the try not chosen keeps its validation score only; the chosen one and settings without tries get every
+    # evaluation (the full study once evaluated every try on test, ood and sampled once the choice was made)
+    assert {s.setting for s in specs if undecided_try(sweep, s)} == {"ets"}
 
 
 def test_ties_go_to_the_earlier_try_and_an_unevaluated_try_waits(tmp_path):

@@ -53,6 +53,7 @@ from toolcollapse.tries import (
     MATCH_KEY,
     base_name,
     check_selection,
+    chosen,
     expand,
     match_target,
     read_selection,
@@ -394,11 +395,11 @@ def _run_one(job: tuple[RunSpec | None, SweepConfig, bool, str]) -> str:
 
 
 def undecided_try(sweep: SweepConfig, spec: RunSpec) -> bool:
-    """The run is a try whose setting is not chosen yet: scored on select_split only (the chosen one gets the
-    rest of its evaluations once it is chosen; the others never need them)."""
-    base = base_name(spec.setting)
-    tried = {s.base for s in expand(sweep.settings, sweep.seeds) if s.try_index is not None}
-    return base in tried and base not in read_selection(sweep.out_dir)
+    """The run is a try not chosen (yet): scored on select_split only (the chosen one gets the rest of its
+    evaluations once it is chosen; the others never need them)."""
+    setting = next((s for s in expand(sweep.settings, sweep.seeds) if s.name == spec.setting), None)
+    return (setting is not None and setting.try_index is not None
+            and chosen(read_selection(sweep.out_dir), setting.base) != setting.try_index)
 
 
 def _ignore_sigint() -> None:
