@@ -21,7 +21,7 @@ micro-batches by prompt, each running its rows' prompt once, vs the batch's 213-
 micro-batches by length (each row its own copy of the rest of its prompt); the gradients are compared.
     python bench/group_share.py --device cuda --dtype bfloat16 --tasks 12 --group-size 8   # on a GPU
 
-`--hbg N`: HBG's batch instead (`supervision.group_rollouts`: each task's G - N rows and N hinted copies of
+`--hbg N`: HBG's batch instead (`signals.group_rollouts`: each task's G - N rows and N hinted copies of
 it, one engine call of group_size 1); the sides are a prompt prefilled per row, as such a batch was before
 (`rollout.SHARE_PROMPTS = False`), vs each distinct prompt once, kept once for its rows.
     python bench/group_share.py --hbg 2 --tasks 2 --group-size 8
@@ -39,13 +39,13 @@ import torch
 from toolcollapse.attention import Groups, SplitKV, split_attention
 from toolcollapse.chat import PieceEncoder, conversation_pieces
 from toolcollapse import rollout
-from toolcollapse.config import HBGConfig, SupervisionConfig, load_config
+from toolcollapse.config import HBGConfig, RunConfig, SupervisionConfig, load_config
 from toolcollapse.envs import make_env
 from toolcollapse.kvcache import CascadeLayer
 from toolcollapse.model import place, resolve_device
 from toolcollapse.rollout import RolloutEngine, SamplingParams
 from toolcollapse.sources import load_pretrained
-from toolcollapse.supervision import group_rollouts
+from toolcollapse.signals import build_signals, group_rollouts, group_rows
 
 
 def cache_bytes(cache) -> int:
@@ -207,7 +207,7 @@ def main() -> None:
         return prompt_lengths(tokenizer, env, 60)
     if args.update:
         return update_side(model, tokenizer, env, tasks, params, args.group_size, args.rounds)
-    hbg = SupervisionConfig(hbg=HBGConfig(enabled=True, rows=args.hbg))
+    hbg = group_rows(build_signals(RunConfig(supervision=SupervisionConfig(hbg=HBGConfig(enabled=True, rows=args.hbg)))))
     runs: dict[bool, list] = {False: [], True: []}
     for r in range(args.rounds):
         for share in ((False, True) if r % 2 == 0 else (True, False)):

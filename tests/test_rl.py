@@ -14,7 +14,8 @@ from toolcollapse.config import GRPOConfig, RunConfig, WorldConfig, dump_config
 from toolcollapse.update import build_batch, grpo_update, policy_logprobs
 from toolcollapse.rollout import RolloutEngine, SamplingParams
 
-TIMING_KEYS = {"seconds", "seconds_probe", "seconds_val", "seconds_rollout", "seconds_update", "ets/seconds",
+TIMING_KEYS = {"seconds", "seconds_probe", "seconds_val", "seconds_rollout", "seconds_update", "seconds_signals",
+               "ets/seconds",
                "adaptive/seconds"}
 
 

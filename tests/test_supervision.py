@@ -15,7 +15,7 @@ from toolcollapse.chat import PieceEncoder
 from toolcollapse.config import GRPOConfig
 from toolcollapse.encoding import batch_logits, encode_tasks
 from toolcollapse.rollout import RolloutEngine, SamplingParams
-from toolcollapse.signals import LuffyShaping, OptimizerStep, SFTTermLoss, Unlikelihood
+from toolcollapse.signals import LuffyShaping, OptimizerStep, SFTTermLoss, Unlikelihood, build_signals, group_rollouts, group_rows
 from toolcollapse.supervision import SFTTerm
 from toolcollapse.update import build_batch, grpo_update
 
@@ -144,7 +144,7 @@ def test_unlikelihood_term_gradient_in_the_update(tiny_model, tokenizer, world):
     assert int(batch.unlikely.sum()) == 2 and bool((batch.unlikely <= batch.target_mask).all())
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     g = GRPOConfig(micro_batch_size=2, grad_clip=1e9, kl_coef=0.0)
-    term = Unlikelihood(0.7)
+    term = Unlikelihood(0.7, marked)
     term.begin(_whole(batch, group_size=2))
     stats = grpo_update(model, None, torch.optim.SGD(model.parameters(), lr=1.0), batch, g, terms=[term])
     moved = {n: before[n] - p.detach() for n, p in model.named_parameters()}
@@ -220,17 +220,16 @@ def test_a_mixed_group_and_its_advantages(tiny_model, tokenizer, world):
     untrained policy's three rows all failing, its advantage is (1 - 1/4) / std = 3 / sqrt(3) and theirs
     -1/sqrt(3); signals off, group_rollouts is engine.generate exactly."""
     from toolcollapse.advantages import group_advantages
-    from toolcollapse.config import OPSConfig, SupervisionConfig
+    from toolcollapse.config import OPSConfig, RunConfig, SupervisionConfig
     from toolcollapse.rewards import rewards_tensor
-    from toolcollapse.supervision import group_rollouts
 
     engine = RolloutEngine(tiny_model, tokenizer, world)
     tasks, params = world.tasks("train")[:2], SamplingParams(max_turns=8, max_new_tokens=64)
-    plain, kinds = group_rollouts(engine, tasks, params, 4, SupervisionConfig(), seed=3)
+    plain, kinds = group_rollouts(engine, tasks, params, 4, group_rows(build_signals(RunConfig())), seed=3)
     assert kinds == ["policy"] * 8
     assert [e.tokens for e in plain] == [e.tokens for e in engine.generate(tasks, params, group_size=4, seed=3)]
     s = SupervisionConfig(ops=OPSConfig(enabled=True, rows=1))
-    episodes, kinds = group_rollouts(engine, tasks, params, 4, s, seed=3)
+    episodes, kinds = group_rollouts(engine, tasks, params, 4, group_rows(build_signals(RunConfig(supervision=s))), seed=3)
     assert kinds == (["policy"] * 3 + ["expert"]) * 2
     assert [e.task_id for e in episodes] == [tasks[0].id] * 4 + [tasks[1].id] * 4
     rewards = rewards_tensor(episodes)
@@ -297,15 +296,14 @@ def test_hinted_rows_train_on_the_hint_free_prompt(tiny_model, tokenizer, world)
     """HBG rows sample under the hint; in the batch they sit on the plain prompt, and their old
     log-probs, recomputed there, equal a plain forward over the plain row (ratio 1) and differ from
     the log-probs the hint gave them when sampled."""
-    from toolcollapse.config import HBGConfig, SupervisionConfig
+    from toolcollapse.config import HBGConfig, RunConfig, SupervisionConfig
     from toolcollapse.update import policy_logprobs, recompute_old_logprobs
-    from toolcollapse.supervision import group_rollouts
 
     engine = RolloutEngine(tiny_model, tokenizer, world)
     task = world.tasks("train")[:1]
     params = SamplingParams(max_turns=2, max_new_tokens=12)
     s = SupervisionConfig(hbg=HBGConfig(enabled=True, rows=2, level="calls"))
-    episodes, kinds = group_rollouts(engine, task, params, 4, s, seed=5)
+    episodes, kinds = group_rollouts(engine, task, params, 4, group_rows(build_signals(RunConfig(supervision=s))), seed=5)
     assert kinds == ["policy", "policy", "hinted", "hinted"]
     plain_prompt = engine.prompt_ids(task[0])
     assert all(ep.tokens[:ep.prompt_len] == plain_prompt for ep in episodes)

@@ -591,7 +591,7 @@ def _keeping(cls):
 
 def test_our_engine_as_trl_s_rollout_func_plays_the_rows_rl_plays_hbg_and_ops_included(tmp_path, tiny_checkpoint):
     """engine_rollouts inside GRPOTrainer, a group of 4 = 2 policy rows, 1 HBG row, 1 OPS row, as
-    `supervision.group_rollouts` builds them in rl: the sampled rows are the episodes our engine samples with
+    `signals.group_rollouts` builds them in rl: the sampled rows are the episodes our engine samples with
     the same seed (the hinted one from the hinted prompt, returned on the plain one), the OPS row is the
     ground truth replayed with its tool replies really run, and the monitor watches the policy's rows only."""
     from transformers import AutoTokenizer

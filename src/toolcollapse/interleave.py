@@ -220,7 +220,8 @@ def sft_phase(model: Any, examples: Sequence[Example], pc: Any, micro_batch_size
 
 @dataclass
 class PhaseRunner:
-    """What run_rl needs to run SFT phases: the data rules, the judge, and the logs."""
+    """The SFT phases of an RL run (ETS, PRS, the adaptive schedule): the failures they train on, the judge,
+    the logs; RL's AdamW state is reset after each phase (its moments belong to the weights before it)."""
 
     run_dir: Path
     model: Any
@@ -228,6 +229,22 @@ class PhaseRunner:
     tasks: dict[str, Task]  # the training split by id
     cfg: Any  # RunConfig
     failures: list[Failure]  # every failure logged so far
+    optimizer: torch.optim.Optimizer | None = None  # RL's
+    judge: Judge | None = None  # PRS's (signals/prs.py)
+    decode: Callable[[Sequence[int]], str] | None = None
+    generation_prompt_len: int = 0  # a turn's `<|im_start|>assistant\n`
+    collected: int = -1  # the last step whose failures are in
+
+    def collect(self, step: int, episodes: Sequence[Episode], kinds: Sequence[str]) -> None:
+        """The step's failed tasks (judged where PRS can use the verdict), logged to failures.jsonl; once a step
+        however many signals ask."""
+        if step == self.collected:
+            return
+        failed = collect_failures(step, episodes, kinds, self.tasks, self.judge_at(step), self.decode,
+                                  self.generation_prompt_len)
+        log_failures(self.run_dir, failed)
+        self.failures += failed
+        self.collected = step
 
     def run(self, name: str, step: int, failures: Sequence[Failure]) -> dict[str, float]:
         """An SFT phase after `step` on `failures`' tasks; logged to phases.jsonl, returned as metrics."""
@@ -243,16 +260,18 @@ class PhaseRunner:
                    + (f", loss {stats['phase/loss_first']:.3f} -> {stats['phase/loss_last']:.3f}"
                       if "phase/loss_first" in stats else ""))
         append_jsonl(self.run_dir / PHASES, {"step": step, "phase": name, **stats})
+        if self.optimizer is not None:
+            self.optimizer.state.clear()
         return stats
 
-    def judge_at(self, step: int, judge: Judge | None) -> Judge | None:
+    def judge_at(self, step: int) -> Judge | None:
         """The judge where its verdicts can be used: PRS on, and `step` inside an ETS window (or anywhere
         when the adaptive schedule may run a phase on the failures so far)."""
         s = self.cfg.supervision
-        if judge is None or not s.prs.enabled:
+        if self.judge is None or not s.prs.enabled:
             return None
         in_window = s.ets.enabled and step % s.ets.every >= s.ets.every - s.ets.window
-        return judge if in_window or (s.adaptive.enabled and s.adaptive.sft) else None
+        return self.judge if in_window or (s.adaptive.enabled and s.adaptive.sft) else None
 
     def ets_round_ends(self, step: int) -> bool:
         e = self.cfg.supervision.ets
@@ -283,5 +302,6 @@ def adaptive_handler(a: Any) -> Callable[[list, Any], None]:
         if a.sft:
             events.update({f"adaptive/{k.removeprefix('phase/')}": v for k, v in ctx.sft_phase("adaptive").items()})
         ctx.events.update(events)
+        ctx.recovered = True
 
     return handle

@@ -222,14 +222,15 @@ METRICS: list[tuple[str, str, str]] = [
     ("finish/<reason>", "fraction 0-1", f"Share {OWN} that ended so, only the reasons seen at the step; "
                                         f"`<reason>`: {FINISHES}."),
     # timing
-    ("seconds", "s", "Wall time of the step from its start through the update (not its SFT phase, alarm "
-                     "handling, logging or checkpoint)."),
+    ("seconds", "s", "Wall time of the step from its start until its row is written (its SFT phases and alarm "
+                     "handling included; not the checkpoint)."),
     ("seconds_rollout", "s", "Wall time of the rollouts (HBG's hinted rows and OPS's replay included)."),
     ("seconds_probe", "s", "Wall time of the probe (about 0 on steps without one)."),
     ("seconds_val", "s", "Wall time of the validation (steps with one only)."),
-    ("seconds_update", "s", "Wall time after validation until the row is made: rewards, the gradient share, the "
-                            "reference and policy forwards, the update, the supervision terms, failure "
-                            "collection."),
+    ("seconds_update", "s", "Wall time of the update stage: rewards, the gradient share, the reference and policy "
+                            "forwards, the optimizer steps, the signals' loss terms."),
+    ("seconds_signals", "s", "Wall time of the signals' stage: failure collection (and PRS's judge), ETS's and "
+                             "PRS's SFT phases."),
     # validation (rl.validate)
     ("val/success", "fraction 0-1", "Greedy success on the first `grpo.eval_n` tasks of `eval.split` under the "
                                     "eval limits, every `grpo.eval_every` steps (step 0 included), before the "

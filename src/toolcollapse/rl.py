@@ -33,6 +33,12 @@ defaults to a value for the tiny tier, not 1e-6.
 With `model.lora.rank > 0` the policy is LoRA adapters (peft) on the initial model,
 and checkpoints hold the adapters; the reference stays the full initial model.
 
+`run_rl` is a loop over named, timed stages (`seconds_<stage>` in each row): rollout (the policy's rows and
+the signals'), monitor (probe, validation), update (reward, advantages, the GRPO update with the signals' loss
+terms), signals (each signal's `after_update`: ETS's and PRS's phases), alarms (the rules and their handler:
+the config's action or the adaptive schedule), log, checkpoint. The signals are the modules of signals/,
+built from the config (`signals.build_signals`); the loop never names one.
+
 The run directory (rundir.py) holds `config.yaml`, `metrics.jsonl` (one line per step),
 `samples.jsonl` (decoded rollouts), TensorBoard events in `tb/`, and checkpoints that
 `--resume` continues from exactly (same seed: the same metrics as an uninterrupted run).
@@ -42,7 +48,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 import os
 import shutil
 import time
@@ -57,37 +62,27 @@ from tqdm.auto import tqdm
 from toolcollapse.alarms import Alarm, Watcher, run_rules
 from toolcollapse.chat import CONTROL_TAGS, PieceEncoder, generation_prompt
 from toolcollapse.checkpoint import MARKER, complete_checkpoints, load_trainer_state, save_checkpoint
-from toolcollapse.config import (ConfigError, RunConfig, dump_config)
+from toolcollapse.config import ConfigError, RunConfig, dump_config
+from toolcollapse.encoding import encode_tasks
 from toolcollapse.envs import make_env
 from toolcollapse.evaluate import sampling_params
-from toolcollapse.model import (PrefixCache, load_model, load_tokenizer, place,
-                                resolve_device)
-from toolcollapse.sources import apply_lora
-from toolcollapse.tags import add_control_tokens, ready_for_chatml, token_ids
-from toolcollapse.monitor import (ProbeSet, build_probe, content_labels, resolve_token_ids,
-                                  run_probe)
+from toolcollapse.interleave import PHASES, PhaseRunner, latest_per_task, read_failures, sft_phase, trained_tokens
+from toolcollapse.judge import Judge
+from toolcollapse.model import PrefixCache, load_model, load_tokenizer, place, resolve_device
+from toolcollapse.monitor import ProbeSet, build_probe, content_labels, resolve_token_ids, run_probe
 from toolcollapse.optim import lr_at, make_optimizer, set_lr
 from toolcollapse.records import Episode, ErrorType, Task, TurnState
 from toolcollapse.rewards import rewards_tensor
 from toolcollapse.rollout import RolloutEngine
-from toolcollapse.interleave import (PHASES, PhaseRunner, adaptive_handler, collect_failures,
-                                     latest_per_task, log_failures, read_failures, sft_phase, trained_tokens)
-from toolcollapse.judge import Judge, load_judge
-from toolcollapse.encoding import encode_tasks
-from toolcollapse.signals import step_terms
-from toolcollapse.supervision import (SFTTerm, group_rollouts, load_hint_writer, sft_tokens_so_far,
-                                      unlikely_positions)
 from toolcollapse.rundir import (RUN_CONFIG, StorageError, check_run_start, log_step, open_tensorboard, resume_config,
                                  truncate_logs)
+from toolcollapse.runtime import (STOP_FILE_ENV, StopOnSignal, append_jsonl, clear_run_dir, progress, read_jsonl,
+                                  seed_everything, set_threads, storage_problem)
+from toolcollapse.signals import Signal, Step, build_signals, group_rollouts, group_rows
+from toolcollapse.sources import apply_lora
+from toolcollapse.supervision import sft_tokens_so_far
+from toolcollapse.tags import add_control_tokens, ready_for_chatml, token_ids
 from toolcollapse.update import policy_step
-from toolcollapse.runtime import (STOP_FILE_ENV, StopOnSignal, append_jsonl, clear_run_dir, progress, read_jsonl, seed_everything,
-                                  set_threads, storage_problem)
-
-
-# ----------------------------------------------------------------------------- tensors
-
-
-# ----------------------------------------------------------------------------- one update
 
 
 # ----------------------------------------------------------------------------- rollout statistics
@@ -161,6 +156,7 @@ class AlarmContext:
     stop: bool = False  # set True to end the run after this step
     rollback: Callable[[], int] | None = None  # restore the newest checkpoint before `step`; its step
     scale_lr: Callable[[float], float] | None = None  # multiply the LR from now on; the scale so far
+    recovered: bool = False  # set by a handler that recovered the run: the alarm rules start afresh
     sft_phase: Callable[[str], dict[str, float]] | None = None  # SFT on every task failed so far; its stats
     recoveries: int = 0  # adaptive recoveries before this one
     events: dict[str, Any] = field(default_factory=dict)  # what the handler did: into the step's metrics row
@@ -234,6 +230,39 @@ def _policy_and_reference(cfg: RunConfig, source: Path, fresh: bool) -> tuple[An
     return place(model, device, cfg.model.dtype), tokenizer, ref_model
 
 
+@dataclass
+class Run:
+    """An RL run's live objects, which the stages of a step read and the signals' `start` hooks see."""
+
+    cfg: RunConfig
+    run_dir: Path
+    model: Any
+    ref_model: Any
+    tokenizer: Any
+    optimizer: torch.optim.Optimizer
+    engine: RolloutEngine
+    phases: PhaseRunner
+    signals: list[Signal]
+    order: list[Task]  # the training tasks in the run's order
+    probe: ProbeSet | None
+    probe_tokens: dict[str, int]
+    val_tasks: list[Task]
+    watcher: Watcher
+    on_alarm: AlarmHandler
+    writer: Any
+    start: int  # the first step this process runs
+    fresh: bool  # no checkpoint to continue from
+    lr_scale: float = 1.0  # the adaptive schedule's cut so far
+    recoveries: int = 0
+    sft_tokens_total: float = 0.0
+    last_val: str = "-"  # the last validation's success (and its cost), for the progress line
+
+    def save(self, step: int) -> None:
+        g = self.cfg.grpo
+        save_checkpoint(self.run_dir, step, self.model, self.tokenizer, self.optimizer,
+                        lambda p: dump_config(self.cfg, p / "toolcollapse.yaml"), g.keep_checkpoints)
+
+
 def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmHandler | None = None,
            overwrite: bool = False, judge: Judge | None = None, allow_change: Sequence[str] = ()) -> Path:
     """Train from `cfg.init` (or continue the run in `run_dir`). `on_alarm` replaces the
@@ -241,128 +270,32 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
     refuses a directory that holds another run unless `overwrite`; a resumed one, a config other
     than the one it started with."""
     run_dir = Path(run_dir)
-    g, s, m = cfg.grpo, cfg.supervision, cfg.monitor
     check_run_start(cfg, run_dir, resume, overwrite, allow_change)
-    if s.sft_only_enabled:
+    if cfg.supervision.sft_only_enabled:
         return run_sft_only(cfg, run_dir, resume)
     # a chat-model judge or hint writer answers once before any work (ConfigError: a wrong address, model, key)
-    judge = judge or (load_judge(s.prs.judge) if s.prs.enabled else None)
-    hints = load_hint_writer(s.hbg) if s.hbg.enabled else None
-    set_threads(cfg.threads)
-    seed_everything(cfg.seed)
-    done = complete_checkpoints(run_dir) if resume else []
-    source = done[-1] if done else Path(cfg.init)
-    model, tokenizer, ref_model = _policy_and_reference(cfg, source, fresh=not done)
-    optimizer = make_optimizer(model, g.lr, g.weight_decay, g.betas)
-    start = load_trainer_state(done[-1], optimizer) if done else 0
-    if not resume:
-        clear_run_dir(run_dir, "rl")  # a previous run there, which `overwrite` allowed to replace
-    run_dir.mkdir(parents=True, exist_ok=True)
-    dump_config(cfg, run_dir / RUN_CONFIG)
-    truncate_logs(run_dir, start)
-    writer = open_tensorboard(run_dir, start)
-    rows = read_jsonl(run_dir / "metrics.jsonl") if start else []
-    watcher = _watcher(cfg, rows)
-    if on_alarm is None:
-        on_alarm = adaptive_handler(s.adaptive) if s.adaptive.enabled else config_handler(m.on_alarm)
-
-    env = make_env(cfg)
-    order = task_order(env.tasks(g.split, g.pool_size), cfg.seed)
-    probe, probe_tokens = probe_for(cfg, env, tokenizer)
-    val_tasks = env.tasks(cfg.eval.split, g.eval_n) if g.eval_every else []
-    engine = RolloutEngine.from_config(model, tokenizer, env, cfg.rollout)
-    engine.prefixes = PrefixCache(model)
-    params = sampling_params(cfg, greedy=False)
-    bar = progress(g.steps, "rl", initial=start)
-    last_val = "-"  # the last validation's success (and its cost), for the progress line
-    sft_term = SFTTerm(s.sft_coef, g.micro_batch_size, tokenizer.pad_token_id) if s.sft_coef > 0 else None
-    sft_tokens_total = sft_tokens_so_far(rows)
-    phases = PhaseRunner(run_dir, model, engine.encoder, {t.id: t for t in order}, cfg, read_failures(run_dir))
-    lr_scale = next((r["adaptive/lr_scale"] for r in reversed(rows) if "adaptive/lr_scale" in r), 1.0)
-    recoveries = sum("adaptive/recovery" in r for r in rows)
-    save_at = lambda k: save_checkpoint(run_dir, k, model, tokenizer, optimizer,  # noqa: E731
-                                        lambda p: dump_config(cfg, p / "toolcollapse.yaml"), g.keep_checkpoints)
-    prompt_len = len(engine.encoder.encode(generation_prompt())[0])  # a turn's <|im_start|>assistant
-    if s.adaptive.enabled and s.adaptive.rollback and not done:
-        save_at(0)  # a rollback target before the first periodic checkpoint
-    model.train()
+    signals = build_signals(cfg, **({"judge": judge} if judge is not None else {}))
+    run = start_run(cfg, run_dir, resume, signals, on_alarm)
+    g = cfg.grpo
+    bar = progress(g.steps, "rl", initial=run.start)
     interrupt = StopOnSignal("rl", os.environ.get(STOP_FILE_ENV))  # SIGTERM / SIGINT: stop after the step
     halted = False
     try:
-        for step in range(start, g.steps):
+        for index in range(run.start, g.steps):
+            step = Step(index, tasks_for_step(run.order, index, g.prompts_per_step))
             t0 = time.time()
-            engine.prefixes.clear()  # the weights moved: the rollout runs the system prompt, the probe and validation reuse it
-            tasks = tasks_for_step(order, step, g.prompts_per_step)
-            episodes, kinds = group_rollouts(engine, tasks, params, g.group_size, s, seed=cfg.seed * 1_000_003 + step,
-                                             hints=hints)
-            t_rollout = time.time()
-            probe_stats = {}  # measured on the weights the rollouts sampled from, before this step's update (step 0: the start)
-            if probe is not None and step % m.probe_every == 0:
-                probe_stats = run_probe(model, probe, probe_tokens, cfg.rollout.temperature, engine.prefixes)
-            t_probe = time.time()
-            if val_tasks and step % g.eval_every == 0:
-                probe_stats.update(validate(engine, val_tasks, cfg))
-                probe_stats["seconds_val"] = time.time() - t_probe
-                last_val = f"{probe_stats['val/success']:.2f} ({probe_stats['seconds_val']:.0f}s)"
-            t_val = time.time()
-            lr = lr_at(step, g.lr, g.warmup_steps, g.steps, g.min_lr_ratio, g.schedule) * lr_scale
-            set_lr(optimizer, lr)
-            rewards = rewards_tensor(episodes, g.format_reward, g.partial_credit, {t.id: t for t in tasks})
-            share_rows = m.grad_share_rows if m.grad_share_every and step % m.grad_share_every == 0 else 0
-            terms = step_terms(s, sft_term, encode_tasks(engine.encoder, tasks, cfg.rollout.call_end) if sft_term else ())
-            unlikely = unlikely_positions(episodes, engine.id_to_tag, cfg.rollout.call_end) if s.unlikelihood_coef else None
-            update_stats = policy_step(model, ref_model, optimizer, episodes, rewards, g, tokenizer.pad_token_id,
-                                       probe_tokens, share_rows, cfg.rollout.temperature,
-                                       kinds if set(kinds) != {"policy"} else (), unlikely, terms)
-            if s.interleaved:
-                failed = collect_failures(step, episodes, kinds, phases.tasks, phases.judge_at(step, judge),
-                                          engine.decode, prompt_len)
-                log_failures(run_dir, failed)
-                phases.failures += failed
-            metrics = {"step": step, "lr": lr, **probe_stats, **update_stats, **row_kind_stats(episodes, kinds),
-                       "seconds": time.time() - t0, "seconds_probe": t_probe - t_rollout,
-                       "seconds_rollout": t_rollout - t0, "seconds_update": time.time() - t_val}
-            for author in (judge, hints):  # chat models: their reflections / hints and cost since this process started
-                if hasattr(author, "metrics"):
-                    metrics.update(author.metrics())
-            if phases.ets_round_ends(step):  # part of the step: an alarm's checkpoint or rollback sees it done
-                metrics.update({f"ets/{k.removeprefix('phase/')}": v for k, v in
-                                _phase(phases, "ets", step=step, failures=phases.ets_failures(step), optimizer=optimizer).items()})
-            alarms = watcher.update(step, metrics)
-            ctx = AlarmContext(step, run_dir, model, optimizer, recoveries=recoveries)
-            stop = False
-            if alarms:
-                ctx.rollback = functools.partial(_rollback, run_dir, step, model, optimizer)
-                ctx.scale_lr = functools.partial(operator.mul, lr_scale)
-                ctx.sft_phase = functools.partial(_phase, phases, step=step, failures=latest_per_task(phases.failures),
-                                                  optimizer=optimizer)
-                stop = _raise(alarms, ctx, on_alarm)
-                if "adaptive/recovery" in ctx.events:
-                    recoveries += 1
-                    lr_scale = ctx.events.get("adaptive/lr_scale", lr_scale)
-                    watcher.rearm()
-                metrics.update(ctx.events)
-            phase_tokens = metrics.get("ets/tokens", 0.0) + metrics.get("adaptive/tokens", 0.0)
-            expert_tokens = 0 if update_stats.get("skipped_uninformative") else g.updates_per_batch * sum(
-                sum(ep.loss_mask) for ep, k in zip(episodes, kinds) if k == "expert")
-            if expert_tokens:  # OPS's ground-truth rows: trained on like SFT tokens, so an sft_only control matches them
-                metrics["sup/expert_tokens"] = float(expert_tokens)
-            if "sup/sft_tokens" in update_stats or phase_tokens or expert_tokens:
-                sft_tokens_total += update_stats.get("sup/sft_tokens", 0.0) + phase_tokens + expert_tokens
-                metrics["sup/sft_tokens_total"] = sft_tokens_total
-            metrics["alarms_total"] = len(watcher.alarms)
-            log_step(run_dir, writer, metrics,
-                 sample_records(step, episodes, rewards, engine.decode, g.samples_per_step, kinds))
-            bar.update(1)
-            bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", healthy=f"{metrics['healthy_rate']:.2f}",
-                            informative=f"{metrics['frac_groups_informative']:.2f}", alarms=len(watcher.alarms),
-                            **({"val": last_val} if val_tasks else {}), refresh=False)
+            rollout_stage(run, step)
+            monitor_stage(run, step)
+            update_stage(run, step)
+            signals_stage(run, step)
+            ctx = alarm_stage(run, step)
+            log_stage(run, step, bar, seconds=time.time() - t0)
             # after the step's row: a resumed run starts past it, without redoing its phase or recovery
-            halted = interrupt.requested and step + 1 < g.steps  # read once: the save and the break agree
-            if (stop or ctx.saved or (step + 1) % g.checkpoint_every == 0 or step + 1 == g.steps or phase_tokens
-                    or ctx.events or "ets/steps" in metrics or halted):
-                save_at(step + 1)
-            if stop or halted:
+            halted = interrupt.requested and index + 1 < g.steps  # read once: the save and the break agree
+            if (ctx.stop or ctx.saved or (index + 1) % g.checkpoint_every == 0 or index + 1 == g.steps
+                    or ctx.events or "ets/steps" in step.metrics or halted):
+                run.save(index + 1)
+            if ctx.stop or halted:
                 break
     except Exception as err:  # a full disk or a directory made read-only surfaces as whatever the writer raises
         cause = storage_problem(run_dir, err)
@@ -372,10 +305,140 @@ def run_rl(cfg: RunConfig, run_dir: Path, resume: bool = False, on_alarm: AlarmH
     finally:
         interrupt.restore()
     bar.close()
-    writer.close()
+    run.writer.close()
     if halted:  # asked to stop before the last step (a request after it: the run is simply done)
-        interrupt.exit(f"rl: stopped after step {step} with a checkpoint; continue with: toolcollapse rl --resume {run_dir}")
+        interrupt.exit(f"rl: stopped after step {index} with a checkpoint; continue with: toolcollapse rl --resume {run_dir}")
     return run_dir
+
+
+def start_run(cfg: RunConfig, run_dir: Path, resume: bool, signals: list[Signal],
+              on_alarm: AlarmHandler | None) -> Run:
+    """The model (from the newest checkpoint of a resumed run), its optimizer, the run directory, the
+    environment, probe, engine and phases; the signals started."""
+    g = cfg.grpo
+    set_threads(cfg.threads)
+    seed_everything(cfg.seed)
+    done = complete_checkpoints(run_dir) if resume else []
+    model, tokenizer, ref_model = _policy_and_reference(cfg, done[-1] if done else Path(cfg.init), fresh=not done)
+    optimizer = make_optimizer(model, g.lr, g.weight_decay, g.betas)
+    start = load_trainer_state(done[-1], optimizer) if done else 0
+    if not resume:
+        clear_run_dir(run_dir, "rl")  # a previous run there, which `overwrite` allowed to replace
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_config(cfg, run_dir / RUN_CONFIG)
+    truncate_logs(run_dir, start)
+    writer = open_tensorboard(run_dir, start)
+    rows = read_jsonl(run_dir / "metrics.jsonl") if start else []
+    handler = on_alarm or next((h for h in (sig.on_alarm() for sig in signals) if h is not None),
+                               config_handler(cfg.monitor.on_alarm))
+    env = make_env(cfg)
+    order = task_order(env.tasks(g.split, g.pool_size), cfg.seed)
+    probe, probe_tokens = probe_for(cfg, env, tokenizer)
+    engine = RolloutEngine.from_config(model, tokenizer, env, cfg.rollout)
+    engine.prefixes = PrefixCache(model)
+    phases = PhaseRunner(run_dir, model, engine.encoder, {t.id: t for t in order}, cfg, read_failures(run_dir),
+                         optimizer, decode=engine.decode,
+                         generation_prompt_len=len(engine.encoder.encode(generation_prompt())[0]))
+    run = Run(cfg, run_dir, model, ref_model, tokenizer, optimizer, engine, phases, signals, order, probe,
+              probe_tokens, env.tasks(cfg.eval.split, g.eval_n) if g.eval_every else [], _watcher(cfg, rows),
+              handler, writer, start, fresh=not done,
+              lr_scale=next((r["adaptive/lr_scale"] for r in reversed(rows) if "adaptive/lr_scale" in r), 1.0),
+              recoveries=sum("adaptive/recovery" in r for r in rows), sft_tokens_total=sft_tokens_so_far(rows))
+    for signal in signals:
+        signal.start(run)
+    model.train()
+    return run
+
+
+def rollout_stage(run: Run, step: Step) -> None:
+    """G rows a task: the policy's samples and the signals' rows."""
+    t0 = time.time()
+    run.engine.prefixes.clear()  # the weights moved: the rollout runs the system prompt, the probe and validation reuse it
+    step.episodes, step.kinds = group_rollouts(run.engine, step.tasks, sampling_params(run.cfg, greedy=False),
+                                               run.cfg.grpo.group_size, group_rows(run.signals),
+                                               seed=run.cfg.seed * 1_000_003 + step.index)
+    step.metrics["seconds_rollout"] = time.time() - t0
+
+
+def monitor_stage(run: Run, step: Step) -> None:
+    """The probe and validation, on the weights the rollouts sampled from, before the update (step 0: the start)."""
+    cfg, g, m, t0 = run.cfg, run.cfg.grpo, run.cfg.monitor, time.time()
+    if run.probe is not None and step.index % m.probe_every == 0:
+        step.metrics.update(run_probe(run.model, run.probe, run.probe_tokens, cfg.rollout.temperature,
+                                      run.engine.prefixes))
+    step.metrics["seconds_probe"] = time.time() - t0
+    if run.val_tasks and step.index % g.eval_every == 0:
+        t1 = time.time()
+        step.metrics.update(validate(run.engine, run.val_tasks, cfg))
+        step.metrics["seconds_val"] = time.time() - t1
+        run.last_val = f"{step.metrics['val/success']:.2f} ({step.metrics['seconds_val']:.0f}s)"
+
+
+def update_stage(run: Run, step: Step) -> None:
+    """The reward, then the GRPO update with the signals' loss terms."""
+    cfg, g, m, t0 = run.cfg, run.cfg.grpo, run.cfg.monitor, time.time()
+    lr = lr_at(step.index, g.lr, g.warmup_steps, g.steps, g.min_lr_ratio, g.schedule) * run.lr_scale
+    set_lr(run.optimizer, lr)
+    step.rewards = rewards_tensor(step.episodes, g.format_reward, g.partial_credit, {t.id: t for t in step.tasks})
+    share_rows = m.grad_share_rows if m.grad_share_every and step.index % m.grad_share_every == 0 else 0
+    terms = [term for sig in run.signals for term in sig.terms(step)]
+    kinds = step.kinds if set(step.kinds) != {"policy"} else ()
+    step.metrics.update({"step": step.index, "lr": lr, **policy_step(
+        run.model, run.ref_model, run.optimizer, step.episodes, step.rewards, g, run.tokenizer.pad_token_id,
+        run.probe_tokens, share_rows, cfg.rollout.temperature, kinds, terms), **row_kind_stats(step.episodes, step.kinds)})
+    step.metrics["seconds_update"] = time.time() - t0
+
+
+def signals_stage(run: Run, step: Step) -> None:
+    """Each signal between steps (an SFT phase), then what each logs."""
+    t0 = time.time()
+    for signal in run.signals:
+        step.metrics.update(signal.after_update(step))
+    for signal in run.signals:
+        step.metrics.update(signal.metrics())
+    step.metrics["seconds_signals"] = time.time() - t0
+
+
+def alarm_stage(run: Run, step: Step) -> AlarmContext:
+    """The alarm rules on the step's metrics; the handler's actions (a checkpoint, a stop, a recovery)."""
+    alarms = run.watcher.update(step.index, step.metrics)
+    ctx = AlarmContext(step.index, run.run_dir, run.model, run.optimizer, recoveries=run.recoveries)
+    if alarms:
+        ctx.rollback = functools.partial(_rollback, run.run_dir, step.index, run.model, run.optimizer)
+        ctx.scale_lr = functools.partial(_scale_lr, run)
+        ctx.sft_phase = functools.partial(run.phases.run, step=step.index,
+                                          failures=latest_per_task(run.phases.failures))
+        _raise(alarms, ctx, run.on_alarm)
+        if ctx.recovered:  # a recovery: the rules watch the recovered run afresh
+            run.recoveries += 1
+            run.watcher.rearm()
+        step.metrics.update(ctx.events)
+    return ctx
+
+
+def _scale_lr(run: Run, factor: float) -> float:
+    run.lr_scale *= factor
+    return run.lr_scale
+
+
+SFT_TOKENS = ("sup/sft_tokens", "ets/tokens", "adaptive/tokens", "sup/expert_tokens")  # a step's trained ground truth
+
+
+def log_stage(run: Run, step: Step, bar: Any, seconds: float) -> None:
+    """The SFT tokens so far, the step's row (metrics.jsonl, TensorBoard, samples), the progress line."""
+    metrics, g = step.metrics, run.cfg.grpo
+    tokens = sum(metrics.get(k, 0.0) for k in SFT_TOKENS)
+    if tokens or "sup/sft_tokens" in metrics:
+        run.sft_tokens_total += tokens
+        metrics["sup/sft_tokens_total"] = run.sft_tokens_total
+    metrics["alarms_total"] = len(run.watcher.alarms)
+    metrics["seconds"] = seconds
+    log_step(run.run_dir, run.writer, metrics, sample_records(step.index, step.episodes, step.rewards,
+                                                              run.engine.decode, g.samples_per_step, step.kinds))
+    bar.update(1)
+    bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", healthy=f"{metrics['healthy_rate']:.2f}",
+                    informative=f"{metrics['frac_groups_informative']:.2f}", alarms=len(run.watcher.alarms),
+                    **({"val": run.last_val} if run.val_tasks else {}), refresh=False)
 
 
 def _rollback(run_dir: Path, step: int, model: Any, optimizer: torch.optim.Optimizer) -> int:
@@ -394,14 +457,6 @@ def _rollback(run_dir: Path, step: int, model: Any, optimizer: torch.optim.Optim
     optimizer.load_state_dict(torch.load(target / "trainer.pt", map_location="cpu", weights_only=False)["optimizer"])
     tqdm.write(f"rl: adaptive: rolled back to {target}")
     return int(target.name.removeprefix("step_"))
-
-
-def _phase(phases: PhaseRunner, name: str, *, step: int, failures: Sequence[Any],
-           optimizer: torch.optim.Optimizer) -> dict[str, float]:
-    """An SFT phase, then RL's AdamW state reset (its moments belong to the weights before the phase)."""
-    stats = phases.run(name, step, failures)
-    optimizer.state.clear()
-    return stats
 
 
 def run_sft_only(cfg: RunConfig, run_dir: Path, resume: bool) -> Path:

@@ -1,7 +1,7 @@
 """Supervision signals mixed into GRPO (arXiv 2606.26027; docs/DESIGN.md, "Supervision signals").
 
-Their loss terms are in signals/ (the LUFFY shaping, unlikelihood, the SFT term's per-step loss); here are
-the SFT term's settings, the rows OPS and HBG put in a group, HBG's hints and unlikelihood's positions.
+Each signal is a module of signals/ (its rows, loss terms, phases, alarm handler); here are the pieces they
+share with the TRL integration and the SFT phases: the SFT term's NLL, HBG's hints, unlikelihood's positions.
 
 Two terms are added to the GRPO loss. The synchronous SFT term: every GRPO step also minimises
 
@@ -19,7 +19,7 @@ inside a call, a stray `</tool_call>`, `<tool_response>` ...) adds
 `unlikelihood_coef * -log(1 - p)` (mean over such tokens of the batch), computed from the
 update's own forward: the collapse's spike pushed down where it happened.
 
-Two signals change the rows of a GRPO group (`group_rollouts`); a group of G is, in order,
+Two signals change the rows of a GRPO group (signals/rows.py); a group of G is, in order,
 the policy's own samples, then HBG's hinted rows, then OPS's expert rows:
 
 - OPS (off-policy supervision): `ops.rows` of each group are the task's ground-truth
@@ -47,7 +47,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Any, Sequence
 
 import torch.nn.functional as F
 
@@ -55,9 +55,6 @@ from toolcollapse.chat_models import answering_chat_model, from_factory
 from toolcollapse.encoding import Example, batch_logits
 from toolcollapse.parser import first_rejected_control
 from toolcollapse.records import CallEnd, Episode, Message, Task
-
-RowKind = Literal["policy", "hinted", "expert"]
-
 
 @dataclass(frozen=True)
 class SFTTerm:
@@ -192,45 +189,6 @@ def without_hint(episode: Episode, prompt: Sequence[int]) -> Episode:
         episode, tokens=list(prompt) + episode.tokens[rest], loss_mask=[0] * len(prompt) + episode.loss_mask[rest],
         logprobs=[0.0] * (len(prompt) + len(episode.tokens) - episode.prompt_len), prompt_len=len(prompt),
         turns=[dataclasses.replace(t, start=t.start + shift, end=t.end + shift) for t in episode.turns])
-
-
-# ----------------------------------------------------------------------------- the rows of a group
-
-
-def group_rollouts(engine: Any, tasks: Sequence[Task], params: Any, group_size: int, s: Any,
-                   seed: int, hints: Any = None) -> tuple[list[Episode], list[RowKind]]:
-    """G rows per task, groups contiguous: the policy's samples, then hinted rows (HBG, re-based on the
-    hint-free prompt; `hints`: task -> hint, default the template), then expert rows (OPS); and each row's
-    kind. With both signals off this is `engine.generate(tasks, params, group_size, seed)` exactly."""
-    n_expert = s.ops.rows if s.ops.enabled else 0
-    n_hinted = s.hbg.rows if s.hbg.enabled else 0
-    n_policy = group_size - n_expert - n_hinted
-    if not n_hinted:
-        sampled = engine.generate(tasks, params, group_size=n_policy, seed=seed)
-    else:  # one batch: each task n_policy times, then its hinted copy n_hinted times
-        write = hints or functools.partial(hint, level=s.hbg.level, calls=s.hbg.calls)
-        hinted = [with_hint(t, write(t)) for t in tasks]
-        rows = [x for t, h in zip(tasks, hinted) for x in [t] * n_policy + [h] * n_hinted]
-        sampled = engine.generate(rows, params, group_size=1, seed=seed)
-        prompts = {t.id: engine.prompt_ids(t) for t in tasks}
-        sampled = [without_hint(ep, prompts[ep.task_id]) if i % (n_policy + n_hinted) >= n_policy else ep
-                   for i, ep in enumerate(sampled)]
-    experts = engine.replay(tasks, params) if n_expert else []
-    episodes: list[Episode] = []
-    kinds: list[RowKind] = []
-    per = n_policy + n_hinted
-    for i, task in enumerate(tasks):
-        episodes += sampled[i * per:(i + 1) * per]
-        kinds += ["policy"] * n_policy + ["hinted"] * n_hinted
-        for _ in range(n_expert):
-            episodes.append(_copy(experts[i]))
-            kinds.append("expert")
-    return episodes, kinds
-
-
-def _copy(episode: Episode) -> Episode:
-    return dataclasses.replace(episode, tokens=list(episode.tokens), loss_mask=list(episode.loss_mask),
-                               logprobs=list(episode.logprobs), turns=list(episode.turns))
 
 
 def unlikely_positions(episodes: Sequence[Episode], id_to_tag: dict[int, str], call_end: CallEnd) -> list[list[int]]:

@@ -27,8 +27,7 @@ from toolcollapse.model import device_of, logits_after, logits_at, run_prefix, s
 from toolcollapse.monitor import control_gradient_share, sampled_control_stats
 from toolcollapse.records import Episode, PolicyBatch
 from toolcollapse.rollout import MIN_GROUP_SHARED
-from toolcollapse.signals import LossTerm, OptimizerStep
-from toolcollapse.supervision import RowKind
+from toolcollapse.signals.base import LossTerm, OptimizerStep, RowKind
 
 
 def build_batch(episodes: Sequence[Episode], advantages: torch.Tensor, pad_id: int,
@@ -202,15 +201,16 @@ def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torc
 def policy_step(model: Any, ref_model: Any | None, optimizer: torch.optim.Optimizer, episodes: Sequence[Episode],
                 rewards: torch.Tensor, g: Any, pad_id: int, control_ids: dict[str, int],
                 grad_share_rows: int = 0, temperature: float = 1.0, kinds: Sequence[RowKind] = (),
-                unlikely: Sequence[Sequence[int]] | None = None, terms: Sequence[LossTerm] = ()) -> dict[str, float]:
+                terms: Sequence[LossTerm] = ()) -> dict[str, float]:
     """Advantages over the whole batch, then `updates_per_batch` passes over it, each one optimizer step per
     mini-batch of whole groups (`grpo.mini_batches`); their statistics. With grad_share_rows > 0, first the
     control tokens' share of the gradient on that many rollouts. `kinds`: each row's, when some are not the
-    policy's own (HBG's hinted rows, OPS's expert rows); `unlikely`: per row, the positions of the control
-    tokens the grammar rejected; `terms`: the supervision signals' loss terms, in every optimizer step."""
+    policy's own (HBG's hinted rows, OPS's expert rows); `terms`: the supervision signals' loss terms, in every
+    optimizer step (a term's `marked` positions become the batch's `unlikely` mask)."""
     advantages, adv_stats = group_advantages(rewards, g.group_size, g.scale_adv_by_std)
     if g.skip_uninformative_steps and adv_stats.frac_groups_informative == 0:
         return {**asdict(adv_stats), "skipped_uninformative": 1, "skipped_nonfinite": 0}
+    unlikely = next((term.marked for term in terms if term.marked is not None), None)
     batch = build_batch(episodes, advantages, pad_id, device_of(model), unlikely,
                         [k == "expert" for k in kinds] if kinds else None)
     if kinds and any(k != "policy" for k in kinds):  # hinted and expert rows: old log-probs of this policy

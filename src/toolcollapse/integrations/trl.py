@@ -1014,7 +1014,7 @@ def engine_rollouts(cfg: RunConfig, tokenizer: Any, split: str = "train", tasks:
     a `MonitoredGRPOTrainer` (`ops`) are the task's ground truth replayed, its tool replies really run
     (`RolloutEngine.replay`, as `toolcollapse rl` builds OPS's expert rows); its HBG rows (`hbg`) sample
     with the hint `supervision.hbg` templates from the ground truth (its `level`, `calls`) in the system
-    message and return the hint-free prompt to train on, as `rl` does (`supervision.group_rollouts`)."""
+    message and return the hint-free prompt to train on, as `rl` does (`signals.group_rollouts`)."""
     env = make_env(cfg)
     pool = list(tasks if tasks is not None else env.tasks(split))
     by_id = {t.id: t for t in pool}

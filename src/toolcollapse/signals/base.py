@@ -1,14 +1,16 @@
-"""The loss-term protocol: what a supervision signal adds to an optimizer step of the GRPO update
-(this package's docstring says when each hook is called)."""
+"""The signal protocol: a supervision signal is a `Signal` whose hooks the RL loop calls at each stage of a
+step, and the `LossTerm`s it hands the update (this package's docstring says when each hook is called)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Literal, Sequence
 
 import torch
 
-from toolcollapse.records import PolicyBatch
+from toolcollapse.records import Episode, PolicyBatch, Task
+
+RowKind = Literal["policy", "hinted", "expert"]
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,8 @@ class OptimizerStep:
 
 class LossTerm:
     """A term of the loss beside the clipped surrogate (the defaults add nothing)."""
+
+    marked: Sequence[Sequence[int]] | None = None  # per row, token positions the term reads as `batch.unlikely`
 
     def begin(self, step: OptimizerStep) -> None:
         """An optimizer step starts."""
@@ -43,4 +47,66 @@ class LossTerm:
         return True
 
     def metrics(self) -> dict[str, float]:
+        return {}
+
+
+@dataclass(frozen=True)
+class Rows:
+    """`n` rows a signal puts in every group, after the policy's own samples. With `prompt`, they are sampled
+    in the policy's own generate call from the prompt it returns for a task, and trained on the task's own
+    prompt (HBG's hinted rows); without, they are the task's ground truth fed through the environment (OPS)."""
+
+    kind: RowKind
+    n: int
+    prompt: Callable[[Task], Task] | None = None
+
+
+@dataclass
+class Step:
+    """One RL step as the stages fill it in."""
+
+    index: int
+    tasks: list[Task]
+    episodes: list[Episode] = field(default_factory=list)
+    kinds: list[RowKind] = field(default_factory=list)
+    rewards: torch.Tensor | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)  # the step's metrics.jsonl row so far
+
+
+class Signal:
+    """A supervision signal. Built from the run's config before any work (a chat model it needs answers then:
+    a wrong address stops the run before the model loads); `given`: objects a caller passes instead of the
+    config's (`judge`). The hooks' defaults do nothing."""
+
+    name: ClassVar[str]
+
+    def __init__(self, cfg: Any, **given: Any):
+        self.cfg = cfg  # RunConfig
+
+    @staticmethod
+    def enabled(cfg: Any) -> bool:
+        """Whether the run's config turns this signal on."""
+        raise NotImplementedError
+
+    def start(self, run: Any) -> None:
+        """The run's objects exist (rl.Run: model, engine, optimizer, phases, ...), fresh or resumed."""
+
+    def rows(self) -> Rows | None:
+        """The rows it puts in each group."""
+        return None
+
+    def terms(self, step: Step) -> list[LossTerm]:
+        """The loss terms it adds to this step's update."""
+        return []
+
+    def after_update(self, step: Step) -> dict[str, float]:
+        """After the update, before the alarms: what it does between steps (an SFT phase); its metrics."""
+        return {}
+
+    def on_alarm(self) -> Callable[[list, Any], None] | None:
+        """A handler for the monitor's alarms (rl.AlarmContext); None: the config's `monitor.on_alarm`."""
+        return None
+
+    def metrics(self) -> dict[str, float]:
+        """What it logs for the step (a chat model's calls and costs so far)."""
         return {}

@@ -1,6 +1,8 @@
-"""OPS's loss term: LUFFY's policy shaping (arXiv 2504.14945) on the expert rows' tokens, the paper's text
-(`supervision.ops.shaping: luffy`); the released code's variant keeps the clipped surrogate there and needs
-no term. The expert rows themselves: supervision.group_rollouts."""
+"""OPS, off-policy supervision: `ops.rows` of each group are the task's ground truth fed turn by turn through
+the environment (`RolloutEngine.replay`), rewarded like the others. Their tokens' loss is LUFFY's shaping
+-A * p/(p + gamma) (arXiv 2504.14945; `ops.shaping: luffy`, the paper's text) or the clipped surrogate with
+old log-probs from a forward pass (`none`, the released scripts). Their tokens count as SFT tokens
+(`sup/expert_tokens`), so that an sft_only control can match them."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import torch
 
 from toolcollapse.losses import luffy_loss
 from toolcollapse.records import PolicyBatch
-from toolcollapse.signals.base import LossTerm
+from toolcollapse.signals.base import LossTerm, Rows, Signal, Step
 
 
 class LuffyShaping(LossTerm):
@@ -22,3 +24,26 @@ class LuffyShaping(LossTerm):
         if mb.expert is None:
             return pg
         return torch.where(mb.expert[seq_ids], luffy_loss(logp, adv, self.gamma), pg)
+
+
+class OPS(Signal):
+    name = "ops"
+
+    @staticmethod
+    def enabled(cfg) -> bool:
+        return cfg.supervision.ops.enabled
+
+    def rows(self) -> Rows:
+        return Rows("expert", self.cfg.supervision.ops.rows)
+
+    def terms(self, step: Step) -> list[LossTerm]:
+        ops = self.cfg.supervision.ops
+        return [LuffyShaping(ops.gamma)] if ops.shaping == "luffy" else []
+
+    def after_update(self, step: Step) -> dict[str, float]:
+        """The expert rows' trained tokens (none in a step the update skipped)."""
+        if step.metrics.get("skipped_uninformative"):
+            return {}
+        tokens = self.cfg.grpo.updates_per_batch * sum(
+            sum(ep.loss_mask) for ep, kind in zip(step.episodes, step.kinds) if kind == "expert")
+        return {"sup/expert_tokens": float(tokens)} if tokens else {}

@@ -8,7 +8,9 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from toolcollapse.signals.base import LossTerm, OptimizerStep
+from toolcollapse.encoding import encode_tasks
+from toolcollapse.signals.base import LossTerm, OptimizerStep, Signal, Step
+from toolcollapse.supervision import SFTTerm
 
 
 class SFTTermLoss(LossTerm):
@@ -33,3 +35,18 @@ class SFTTermLoss(LossTerm):
         if not self.calls:
             return {}
         return {"sup/sft_nll": self.nll / self.calls, "sup/sft_tokens": self.tokens}
+
+
+class SFTTermSignal(Signal):
+    name = "sft_term"
+
+    @staticmethod
+    def enabled(cfg) -> bool:
+        return cfg.supervision.sft_coef > 0
+
+    def start(self, run: Any) -> None:
+        self.encoder = run.engine.encoder
+        self.nll = SFTTerm(self.cfg.supervision.sft_coef, self.cfg.grpo.micro_batch_size, run.tokenizer.pad_token_id)
+
+    def terms(self, step: Step) -> list[LossTerm]:
+        return [SFTTermLoss(self.nll, encode_tasks(self.encoder, step.tasks, self.cfg.rollout.call_end))]

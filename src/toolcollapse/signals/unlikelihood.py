@@ -6,16 +6,19 @@ collapse's spike pushed down where it happened. Logged over the last pass: `sup/
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 import torch
 
 from toolcollapse.losses import unlikelihood
 from toolcollapse.records import PolicyBatch
-from toolcollapse.signals.base import LossTerm, OptimizerStep
+from toolcollapse.signals.base import LossTerm, OptimizerStep, Signal, Step
+from toolcollapse.supervision import unlikely_positions
 
 
 class Unlikelihood(LossTerm):
-    def __init__(self, coef: float):
-        self.coef = coef
+    def __init__(self, coef: float, marked: Sequence[Sequence[int]]):
+        self.coef, self.marked = coef, marked  # per row, the positions `build_batch` marks as `unlikely`
         self.n = 0  # the optimizer step's rejected tokens
         self.last_pass = False
         self.total = 0.0  # over the last pass: the terms' sum and their tokens
@@ -39,3 +42,22 @@ class Unlikelihood(LossTerm):
         if not self.tokens:
             return {}
         return {"sup/unlikelihood": self.total / self.tokens, "sup/unlikely_tokens": self.tokens}
+
+
+class UnlikelihoodSignal(Signal):
+    name = "unlikelihood"
+
+    def __init__(self, cfg, **given):
+        super().__init__(cfg)
+        self.id_to_tag: dict[int, str] = {}
+
+    @staticmethod
+    def enabled(cfg) -> bool:
+        return cfg.supervision.unlikelihood_coef > 0
+
+    def start(self, run: Any) -> None:
+        self.id_to_tag = run.engine.id_to_tag
+
+    def terms(self, step: Step) -> list[LossTerm]:
+        marked = unlikely_positions(step.episodes, self.id_to_tag, self.cfg.rollout.call_end)
+        return [Unlikelihood(self.cfg.supervision.unlikelihood_coef, marked)]

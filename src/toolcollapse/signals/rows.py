@@ -1,0 +1,51 @@
+"""A GRPO group's rows: the policy's own samples, then the rows signals put there (`Signal.rows`: HBG's
+hinted rows, OPS's expert rows), in the registry's order."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from toolcollapse.records import Episode, Task
+from toolcollapse.signals.base import RowKind, Rows
+from toolcollapse.supervision import without_hint
+
+
+def group_rollouts(engine: Any, tasks: Sequence[Task], params: Any, group_size: int, rows: Sequence[Rows],
+                   seed: int) -> tuple[list[Episode], list[RowKind]]:
+    """G rows per task, groups contiguous, and each row's kind. Rows with a `prompt` are sampled in one
+    generate call with the policy's (each task's policy rows, then its prompted copies), and re-based on the
+    task's own prompt; rows without are the task's ground truth replayed through the environment. With no
+    signal rows this is `engine.generate(tasks, params, group_size, seed)` exactly."""
+    sampled_rows = [r for r in rows if r.prompt is not None]
+    replayed = [r for r in rows if r.prompt is None]
+    n_policy = group_size - sum(r.n for r in rows)
+    n_sampled = n_policy + sum(r.n for r in sampled_rows)
+    if not sampled_rows:
+        sampled = engine.generate(tasks, params, group_size=n_policy, seed=seed)
+    else:
+        prompts = [[r.prompt(t)] * r.n for t in tasks for r in sampled_rows]
+        per_task = len(sampled_rows)
+        batch = [x for i, t in enumerate(tasks) for x in
+                 [t] * n_policy + [p for copies in prompts[i * per_task:(i + 1) * per_task] for p in copies]]
+        sampled = engine.generate(batch, params, group_size=1, seed=seed)
+        own = {t.id: engine.prompt_ids(t) for t in tasks}
+        sampled = [without_hint(ep, own[ep.task_id]) if i % n_sampled >= n_policy else ep
+                   for i, ep in enumerate(sampled)]
+    kinds_sampled = ["policy"] * n_policy + [r.kind for r in sampled_rows for _ in range(r.n)]
+    experts = engine.replay(tasks, params) if replayed else []
+    episodes: list[Episode] = []
+    kinds: list[RowKind] = []
+    for i in range(len(tasks)):
+        episodes += sampled[i * n_sampled:(i + 1) * n_sampled]
+        kinds += kinds_sampled
+        for r in replayed:
+            for _ in range(r.n):
+                episodes.append(_copy(experts[i]))
+                kinds.append(r.kind)
+    return episodes, kinds
+
+
+def _copy(episode: Episode) -> Episode:
+    return dataclasses.replace(episode, tokens=list(episode.tokens), loss_mask=list(episode.loss_mask),
+                               logprobs=list(episode.logprobs), turns=list(episode.turns))
