@@ -29,7 +29,7 @@ from toolcollapse.config import load_config
 from toolcollapse.envs import make_env
 from toolcollapse.evaluate import sampling_params
 from toolcollapse.model import device_of, load_model, load_tokenizer, logits_after, run_prefix
-from toolcollapse.rl import probe_for
+from toolcollapse.monitor import probe_for
 from toolcollapse.rollout import RolloutEngine
 
 STUDY_ROLLOUT = ["rollout.max_turns=8", "rollout.max_new_tokens=64"]

@@ -25,7 +25,7 @@ def _openai(message):
 
 
 def test_the_probe_of_a_conversations_file_is_the_probe_rl_builds_from_the_same_tasks(tmp_path, world, tokenizer):
-    from toolcollapse.rl import probe_for
+    from toolcollapse.monitor import probe_for
 
     tasks = world.tasks("train")[:6]
     path = tmp_path / "mine.jsonl"

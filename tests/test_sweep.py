@@ -8,7 +8,8 @@ import yaml
 from toolcollapse.config import ConfigError
 from toolcollapse.alarms import first_step_below, rolling_mean
 from toolcollapse.runtime import write_jsonl
-from toolcollapse.sweep import format_table, load_sweep, summarize_run
+from toolcollapse.sweep import load_sweep
+from toolcollapse.sweep_table import format_table, summarize_run
 
 
 def test_rolling_mean_and_first_step_below():
@@ -85,7 +86,7 @@ def test_sweep_and_diagnose_share_one_collapse_definition(tmp_path):
 
 
 def test_paired_comparison_sign_test():
-    from toolcollapse.sweep import paired_comparison
+    from toolcollapse.sweep_table import paired_comparison
 
     before = [True] * 10 + [False] * 10
     after = [True] * 10 + [True] * 6 + [False] * 4  # 6 gained, 0 lost: p = 2 / 2**6
@@ -98,7 +99,7 @@ def test_paired_comparison_sign_test():
 def test_the_method_table_aggregates_seeds_and_counts_sft_tokens_and_time(tmp_path):
     """Per setting: mean ± sd (sample) over seeds of each split's success, the healthy rate's smoothed
     min, SFT tokens and wall time from the metrics (RL) or the phases (sft_only, which has no RL)."""
-    from toolcollapse.sweep import format_method_table
+    from toolcollapse.sweep_table import format_method_table
 
     rows = []
     for seed, (success, ood) in enumerate([(0.30, 0.10), (0.40, 0.20)]):

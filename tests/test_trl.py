@@ -67,7 +67,7 @@ def test_ctrl_and_probe_series_equal_toolcollapse_s_own_monitor_on_the_same_batc
     from toolcollapse.integrations.trl import ControlTokenCallback
     from toolcollapse.model import load_model
     from toolcollapse.monitor import resolve_token_ids, run_probe, sampled_control_stats
-    from toolcollapse.rl import probe_for
+    from toolcollapse.monitor import probe_for
 
     (end,) = _drive(answering_checkpoint, tmp_path, "--steps", "2")
     first_log = end["log_history"][0]

@@ -2,7 +2,7 @@
 
 A dump's assistant turns are re-tokenized with the policy's tokenizer and parsed by the
 same strict parser as toolcollapse's own rollouts (`parser.parse_turn_ids`), and each
-step's rates carry the names `rl.rollout_stats` logs (`healthy_rate`, `state/<state>`,
+step's rates carry the names `turn_stats.rollout_stats` logs (`healthy_rate`, `state/<state>`,
 `error/<error>`, `turns_per_episode`, `response_tokens`), so the diagnose figures read
 both kinds of input.
 
@@ -362,7 +362,7 @@ def control_tag_ids(tokenizer: Any) -> tuple[dict[int, str], list[str]]:
 
 def autopsy(rollouts: Iterable[DumpedRollout], tokenizer: Any,
             tools: Mapping[str, ToolSpec] | None = None) -> list[dict[str, float]]:
-    """One row per step, sorted: the metrics `rl.rollout_stats` logs for the turns of that step's rollouts."""
+    """One row per step, sorted: the metrics `turn_stats.rollout_stats` logs for the turns of that step's rollouts."""
     id_to_tag, text_tags = control_tag_ids(tokenizer)
     im_end = [i for i, t in id_to_tag.items() if t == IM_END]
 

@@ -260,8 +260,8 @@ def _prepare(args: argparse.Namespace) -> Callable[[], None]:
     """Validate everything the command needs -- config, paths, packages, its output directory --
     and return the work itself; a ConfigError here means nothing was done."""
     if args.command == "sweep":
-        from toolcollapse.sweep import (eval_splits, format_method_table, format_table, load_sweep, run_sweep,
-                                         start_success, summarize_runs)
+        from toolcollapse.sweep import eval_splits, load_sweep, run_sweep
+        from toolcollapse.sweep_table import format_method_table, format_table, start_success, summarize_runs
 
         from toolcollapse.study import StudyConfig
 

@@ -47,6 +47,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from toolcollapse.chat import (
+    CONTROL_TAGS,
     ENDOFTEXT,
     IM_END,
     IM_START,
@@ -54,9 +55,11 @@ from toolcollapse.chat import (
     TOOL_CALL_END,
     TOOL_RESPONSE,
     TOOL_RESPONSE_END,
+    PieceEncoder,
     assistant_body,
 )
-from toolcollapse.encoding import Example, collate
+from toolcollapse.config import RunConfig
+from toolcollapse.encoding import Example, collate, encode_tasks
 from toolcollapse.model import PrefixCache, device_of, logits_after, logits_at, shared_prefix_len
 
 
@@ -383,3 +386,19 @@ def control_gradient_share(per_token_loss: torch.Tensor, is_ctrl: torch.Tensor, 
         return {}
     return {f"{prefix}/grad_sq_share": sq[0] / (sq[0] + sq[1]), f"{prefix}/grad_norm_ctrl": sq[0] ** 0.5,
             f"{prefix}/grad_norm_other": sq[1] ** 0.5, f"{prefix}/token_share": is_ctrl.float().mean().item()}
+
+
+def probe_for(cfg: RunConfig, env: Any, tokenizer: Any) -> tuple[ProbeSet | None, dict[str, int]]:
+    """The run's probe set (the first `monitor.probe_size` training tasks' oracle conversations, with their
+    content labels; None when the probe is off) and the ids of the control tokens it reports."""
+    m = cfg.monitor
+    token_ids = resolve_token_ids(tokenizer, m.control_tokens)
+    if m.probe_every <= 0 or m.probe_size <= 0:
+        return None, token_ids
+    tasks = env.tasks(cfg.grpo.split)[:m.probe_size]
+    encoder = PieceEncoder(tokenizer)
+    examples = encode_tasks(encoder, tasks, cfg.rollout.call_end)
+    content = [content_labels(encoder, [*t.prompt, *t.reference], cfg.rollout.call_end) for t in tasks]
+    return build_probe(examples, tokenizer.pad_token_id, resolve_token_ids(tokenizer, CONTROL_TAGS), content), token_ids
+
+

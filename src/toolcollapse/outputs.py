@@ -210,7 +210,7 @@ METRICS: list[tuple[str, str, str]] = [
     ("skipped_nonfinite", "count", "Optimizer steps of the step skipped for a non-finite loss or gradient norm "
                                    "(the weights untouched)."),
     ("optimizer_steps", "count", "Optimizer steps the step took: `grpo.updates_per_batch` * `grpo.mini_batches`."),
-    # the rollouts (rl.rollout_stats), the policy's own rows only
+    # the rollouts (turn_stats.rollout_stats), the policy's own rows only
     ("success", "fraction 0-1", f"Share {OWN} that solved the task (the environment's verdict)."),
     ("healthy_rate", "fraction 0-1", f"Share of the assistant turns {OWN} in a healthy state (`healthy_call`, "
                                      "`healthy_response`); the collapse is defined on it."),

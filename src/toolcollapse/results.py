@@ -26,7 +26,8 @@ from toolcollapse.checkpoint import complete_checkpoints
 from toolcollapse.config import MonitorConfig, RunConfig
 from toolcollapse.runtime import read_jsonl
 from toolcollapse.stats import PairedDiff, compare_arms
-from toolcollapse.sweep import WINDOW, eval_splits, start_eval_dir, summarize_run
+from toolcollapse.sweep import eval_splits, start_eval_dir
+from toolcollapse.sweep_table import WINDOW, summarize_run
 from toolcollapse.tries import base_name, expand, read_selection
 
 
@@ -58,7 +59,7 @@ class Arm:
     schedule: str
     lr: float
     cfg: RunConfig  # its first run's config
-    runs: list[dict[str, Any]] = field(default_factory=list)  # sweep.summarize_run rows, with "seed"
+    runs: list[dict[str, Any]] = field(default_factory=list)  # sweep_table.summarize_run rows, with "seed"
     metrics: list[list[dict[str, Any]]] = field(default_factory=list)  # each run's metrics.jsonl rows
     outcomes: dict[str, np.ndarray] = field(default_factory=dict)  # split -> [seeds evaluated, tasks]
     healthy: dict[str, list[float]] = field(default_factory=dict)  # split -> each evaluated seed's healthy-turn rate

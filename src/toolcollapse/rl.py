@@ -51,7 +51,6 @@ import functools
 import os
 import shutil
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -60,7 +59,7 @@ import torch
 from tqdm.auto import tqdm
 
 from toolcollapse.alarms import Alarm, Watcher, run_rules
-from toolcollapse.chat import CONTROL_TAGS, PieceEncoder, generation_prompt
+from toolcollapse.chat import PieceEncoder, generation_prompt
 from toolcollapse.checkpoint import MARKER, complete_checkpoints, load_trainer_state, save_checkpoint
 from toolcollapse.config import ConfigError, RunConfig, dump_config
 from toolcollapse.encoding import encode_tasks
@@ -69,9 +68,9 @@ from toolcollapse.evaluate import sampling_params
 from toolcollapse.interleave import PHASES, PhaseRunner, latest_per_task, read_failures, sft_phase, trained_tokens
 from toolcollapse.judge import Judge
 from toolcollapse.model import PrefixCache, load_model, load_tokenizer, place, resolve_device
-from toolcollapse.monitor import ProbeSet, build_probe, content_labels, resolve_token_ids, run_probe
+from toolcollapse.monitor import ProbeSet, probe_for, run_probe
 from toolcollapse.optim import lr_at, make_optimizer, set_lr
-from toolcollapse.records import Episode, ErrorType, Task, TurnState
+from toolcollapse.records import Task
 from toolcollapse.rewards import rewards_tensor
 from toolcollapse.rollout import RolloutEngine
 from toolcollapse.rundir import (RUN_CONFIG, StorageError, check_run_start, log_step, open_tensorboard, resume_config,
@@ -82,50 +81,8 @@ from toolcollapse.signals import Signal, Step, build_signals, group_rollouts, gr
 from toolcollapse.sources import apply_lora
 from toolcollapse.supervision import sft_tokens_so_far
 from toolcollapse.tags import add_control_tokens, ready_for_chatml, token_ids
+from toolcollapse.turn_stats import rollout_stats, row_kind_stats, sample_records
 from toolcollapse.update import policy_step
-
-
-# ----------------------------------------------------------------------------- rollout statistics
-
-
-def rollout_stats(episodes: Sequence[Episode]) -> dict[str, float]:
-    turns = [t for ep in episodes for t in ep.turns]
-    n_turns = max(1, len(turns))
-    states = Counter(t.parsed.state for t in turns)
-    errors = Counter(e for t in turns for e in t.parsed.errors)
-    out = {
-        "success": sum(ep.success for ep in episodes) / len(episodes),
-        "healthy_rate": sum(states[s] for s in TurnState if s.healthy) / n_turns,
-        "turns_per_episode": len(turns) / len(episodes),
-        "response_tokens": sum(sum(ep.loss_mask) for ep in episodes) / len(episodes),
-    }
-    out.update({f"state/{s.value}": states[s] / n_turns for s in TurnState})
-    out.update({f"error/{e.value}": errors[e] / n_turns for e in ErrorType})
-    out.update({f"finish/{k}": v / len(episodes) for k, v in Counter(ep.finish for ep in episodes).items()})
-    return out
-
-
-def row_kind_stats(episodes: Sequence[Episode], kinds: Sequence[str]) -> dict[str, float]:
-    """`rollout_stats` of the policy's own rows; the success of hinted and expert rows apart."""
-    out = rollout_stats([ep for ep, k in zip(episodes, kinds) if k == "policy"])
-    for kind in ("hinted", "expert"):
-        rows = [ep for ep, k in zip(episodes, kinds) if k == kind]
-        if rows:
-            out[f"sup/{kind}_success"] = sum(ep.success for ep in rows) / len(rows)
-    return out
-
-
-def sample_records(step: int, episodes: Sequence[Episode], rewards: torch.Tensor, decode, n: int,
-                   kinds: Sequence[str] = ()):
-    """The first `n` rollouts of the step, and the first group's hinted and expert rows, marked as such."""
-    kinds = list(kinds) or ["policy"] * len(episodes)
-    group = len(episodes) // max(1, len({ep.task_id for ep in episodes}))
-    picked = [i for i in range(len(episodes)) if i < n or (i < group and kinds[i] != "policy")]
-    for i in picked:
-        ep = episodes[i]
-        yield {"step": step, "task_id": ep.task_id, "reward": float(rewards[i]), "finish": ep.finish,
-               "states": [s.value for s in ep.states], **({"kind": kinds[i]} if kinds[i] != "policy" else {}),
-               "text": decode(ep.tokens[ep.prompt_len:])}
 
 
 # ----------------------------------------------------------------------------- tasks
@@ -515,19 +472,3 @@ def validate(engine: RolloutEngine, tasks: Sequence[Task], cfg: RunConfig) -> di
     """Greedy success and healthy-turn rate of the policy on fixed tasks, under the eval limits."""
     stats = rollout_stats(engine.generate(tasks, sampling_params(cfg, greedy=True), seed=cfg.seed))
     return {"val/success": stats["success"], "val/healthy_rate": stats["healthy_rate"]}
-
-
-def probe_for(cfg: RunConfig, env: Any, tokenizer: Any) -> tuple[ProbeSet | None, dict[str, int]]:
-    """The run's probe set (the first `monitor.probe_size` training tasks' oracle conversations, with their
-    content labels; None when the probe is off) and the ids of the control tokens it reports."""
-    m = cfg.monitor
-    token_ids = resolve_token_ids(tokenizer, m.control_tokens)
-    if m.probe_every <= 0 or m.probe_size <= 0:
-        return None, token_ids
-    tasks = env.tasks(cfg.grpo.split)[:m.probe_size]
-    encoder = PieceEncoder(tokenizer)
-    examples = encode_tasks(encoder, tasks, cfg.rollout.call_end)
-    content = [content_labels(encoder, [*t.prompt, *t.reference], cfg.rollout.call_end) for t in tasks]
-    return build_probe(examples, tokenizer.pad_token_id, resolve_token_ids(tokenizer, CONTROL_TAGS), content), token_ids
-
-

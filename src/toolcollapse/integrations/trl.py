@@ -85,7 +85,7 @@ from toolcollapse.losses import luffy_loss, unlikelihood
 from toolcollapse.monitor import ProbeSet, resolve_token_ids, run_probe, sampled_control_stats
 from toolcollapse.parser import first_rejected_control, parse_turn, parse_turn_ids
 from toolcollapse.records import Episode, ErrorType, ToolCall, TurnRecord, TurnState
-from toolcollapse.rl import probe_for
+from toolcollapse.monitor import probe_for
 from toolcollapse.rollout import RolloutEngine
 from toolcollapse.supervision import load_hint_writer, with_hint, without_hint
 
@@ -206,7 +206,7 @@ class SampledTokens:
 
 class TurnStates:
     """Four-state and error counts of the sampled turns since the last log, summed over ranks at `reduce`:
-    the rates `rl.rollout_stats` logs (`state/*`, `error/*`, `healthy_rate`, `turns_per_episode`)."""
+    the rates `turn_stats.rollout_stats` logs (`state/*`, `error/*`, `healthy_rate`, `turns_per_episode`)."""
 
     def __init__(self, tokenizer: Any, tools: Mapping[str, Any] | None = None, call_end: str = "template"):
         self.tokenizer, self.tools, self.call_end = tokenizer, tools, call_end
