@@ -191,11 +191,15 @@ def without_hint(episode: Episode, prompt: Sequence[int]) -> Episode:
         turns=[dataclasses.replace(t, start=t.start + shift, end=t.end + shift) for t in episode.turns])
 
 
+def rejected_positions(ids: Sequence[int], turns: Sequence[tuple[int, int]], id_to_tag: dict[int, str],
+                       call_end: CallEnd = "template") -> list[int]:
+    """In each [start, end) turn of `ids`, the position of its first control token the grammar rejects
+    (`parser.first_rejected_control`); turns without one add none. Both trainers' unlikelihood marks these."""
+    found = [(start, first_rejected_control(list(ids[start:end]), id_to_tag, call_end)) for start, end in turns]
+    return [start + i for start, i in found if i is not None]
+
+
 def unlikely_positions(episodes: Sequence[Episode], id_to_tag: dict[int, str], call_end: CallEnd) -> list[list[int]]:
     """Per episode, the position of the first control token the grammar rejects in each failed turn."""
-    out = []
-    for ep in episodes:
-        found = [(t.start, first_rejected_control(ep.tokens[t.start:t.end], id_to_tag, call_end))
-                 for t in ep.turns if not t.parsed.state.healthy]
-        out.append([start + i for start, i in found if i is not None])
-    return out
+    return [rejected_positions(ep.tokens, [(t.start, t.end) for t in ep.turns if not t.parsed.state.healthy],
+                               id_to_tag, call_end) for ep in episodes]

@@ -5,26 +5,47 @@ the TRL integration reproduce), and the decoded samples a run keeps."""
 from __future__ import annotations
 
 from collections import Counter
-from typing import Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from toolcollapse.records import Episode, ErrorType, TurnState
+from toolcollapse.records import Episode, ErrorType, ParsedTurn, TurnState
+
+
+TURN_KEYS = [f"state/{s.value}" for s in TurnState] + [f"error/{e.value}" for e in ErrorType]
+
+
+def count_turns(rollouts: Iterable[Sequence[ParsedTurn]]) -> dict[str, float]:
+    """Over rollouts given as their parsed assistant turns: `n_rollouts`, `n_turns`, and the turns in each state
+    and with each error (`TURN_KEYS`). Counts, so that trainers on several ranks can sum them first."""
+    counts = dict.fromkeys(["n_rollouts", "n_turns", *TURN_KEYS], 0.0)
+    for turns in rollouts:
+        counts["n_rollouts"] += 1
+        for parsed in turns:
+            counts["n_turns"] += 1
+            counts[f"state/{parsed.state.value}"] += 1
+            for error in parsed.errors:
+                counts[f"error/{error.value}"] += 1
+    return counts
+
+
+def turn_rates(counts: Mapping[str, float]) -> dict[str, float]:
+    """`count_turns`' counts as the rates a run logs: each state's and error's share of the turns,
+    `healthy_rate` (a healthy call or response) and `turns_per_episode`."""
+    n_turns = max(1.0, counts["n_turns"])
+    out = {"healthy_rate": sum(counts[f"state/{s.value}"] for s in TurnState if s.healthy) / n_turns,
+           "turns_per_episode": counts["n_turns"] / max(1.0, counts["n_rollouts"])}
+    out.update({key: counts[key] / n_turns for key in TURN_KEYS})
+    return out
 
 
 def rollout_stats(episodes: Sequence[Episode]) -> dict[str, float]:
-    turns = [t for ep in episodes for t in ep.turns]
-    n_turns = max(1, len(turns))
-    states = Counter(t.parsed.state for t in turns)
-    errors = Counter(e for t in turns for e in t.parsed.errors)
+    """A step's rollouts: success, the turn rates, sampled tokens a rollout, how they finished."""
     out = {
         "success": sum(ep.success for ep in episodes) / len(episodes),
-        "healthy_rate": sum(states[s] for s in TurnState if s.healthy) / n_turns,
-        "turns_per_episode": len(turns) / len(episodes),
+        **turn_rates(count_turns([t.parsed for t in ep.turns] for ep in episodes)),
         "response_tokens": sum(sum(ep.loss_mask) for ep in episodes) / len(episodes),
     }
-    out.update({f"state/{s.value}": states[s] / n_turns for s in TurnState})
-    out.update({f"error/{e.value}": errors[e] / n_turns for e in ErrorType})
     out.update({f"finish/{k}": v / len(episodes) for k, v in Counter(ep.finish for ep in episodes).items()})
     return out
 

@@ -82,12 +82,12 @@ from toolcollapse.evaluate import sampling_params
 from toolcollapse.interleave import Failure, judged, phase_examples
 from toolcollapse.judge import judge_all, load_judge
 from toolcollapse.losses import luffy_loss, unlikelihood
-from toolcollapse.monitor import ProbeSet, resolve_token_ids, run_probe, sampled_control_stats
-from toolcollapse.parser import first_rejected_control, parse_turn, parse_turn_ids
-from toolcollapse.records import Episode, ErrorType, ToolCall, TurnRecord, TurnState
-from toolcollapse.monitor import probe_for
+from toolcollapse.monitor import ProbeSet, probe_for, resolve_token_ids, run_probe, sampled_control_stats
+from toolcollapse.parser import parse_turn, parse_turn_ids
+from toolcollapse.records import Episode, ToolCall, TurnRecord
 from toolcollapse.rollout import RolloutEngine
-from toolcollapse.supervision import load_hint_writer, with_hint, without_hint
+from toolcollapse.turn_stats import TURN_KEYS, count_turns, turn_rates
+from toolcollapse.supervision import load_hint_writer, rejected_positions, with_hint, without_hint
 
 try:
     from trl import GRPOTrainer
@@ -205,65 +205,63 @@ class SampledTokens:
 
 
 class TurnStates:
-    """Four-state and error counts of the sampled turns since the last log, summed over ranks at `reduce`:
-    the rates `turn_stats.rollout_stats` logs (`state/*`, `error/*`, `healthy_rate`, `turns_per_episode`)."""
+    """The turn rates `turn_stats.rollout_stats` logs (`state/*`, `error/*`, `healthy_rate`,
+    `turns_per_episode`), from TRL's completions: this adapter splits them into turns and parses them; the
+    counting and the rates are turn_stats' (`count_turns`, `turn_rates`), summed over ranks at `reduce`."""
 
     def __init__(self, tokenizer: Any, tools: Mapping[str, Any] | None = None, call_end: str = "template"):
         self.tokenizer, self.tools, self.call_end = tokenizer, tools, call_end
         self.id_to_tag, self.text_tags = control_tag_ids(tokenizer)
-        self.keys = (["n_rollouts", "n_turns"] + [f"state/{s.value}" for s in TurnState]
-                     + [f"error/{e.value}" for e in ErrorType])
+        self.keys = ["n_rollouts", "n_turns", *TURN_KEYS]
         self.counts = torch.zeros(len(self.keys), dtype=torch.float64)
 
     def add(self, completion_ids: torch.Tensor, mask: torch.Tensor) -> None:
         """[B, T] completions of one generation batch (`mask`: their tokens; a multi-turn completion's tool
         responses are split off by the chat format's turn boundaries)."""
-        def decode(ids: list[int]) -> str:
-            return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        counts = count_turns(self.parse(ids, m) for ids, m in zip(completion_ids.tolist(), mask.tolist()))
+        self.counts += torch.tensor([counts[k] for k in self.keys], dtype=torch.float64)
 
-        keys = {k: i for i, k in enumerate(self.keys)}
-        for ids, m in zip(completion_ids.tolist(), mask.tolist()):
-            turns = [valid_text(t) for a, b in _sampled_runs(m) for t in split_turns(decode(ids[a:b]))]
-            self.counts[keys["n_rollouts"]] += 1
-            for turn in turns:
-                # every control tag one token: the live parse, on ids; otherwise the tags can only match as text
-                parsed = (parse_turn(turn, self.tools, self.call_end) if self.text_tags else
-                          parse_turn_ids(self.tokenizer(turn, add_special_tokens=False)["input_ids"], self.id_to_tag,
-                                         decode, self.tools, self.call_end))
-                self.counts[keys["n_turns"]] += 1
-                self.counts[keys[f"state/{parsed.state.value}"]] += 1
-                for e in parsed.errors:
-                    self.counts[keys[f"error/{e.value}"]] += 1
+    def parse(self, ids: list[int], mask: list[Any]) -> list[Any]:
+        """One completion's assistant turns, parsed."""
+        def decode(part: list[int]) -> str:
+            return self.tokenizer.decode(part, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+        turns = [valid_text(t) for a, b in _sampled_runs(mask) for t in split_turns(decode(ids[a:b]))]
+        # every control tag one token: the live parse, on ids; otherwise the tags can only match as text
+        return [parse_turn(turn, self.tools, self.call_end) if self.text_tags else
+                parse_turn_ids(self.tokenizer(turn, add_special_tokens=False)["input_ids"], self.id_to_tag, decode,
+                               self.tools, self.call_end) for turn in turns]
 
     def reduce(self) -> dict[str, float]:
         """The rates over every rank's turns since the last call (a collective: call it on every rank)."""
         counts = _gather_rows(self.counts[None]).sum(dim=0)
         self.counts = torch.zeros_like(self.counts)
         total = dict(zip(self.keys, counts.tolist()))
-        if not total["n_turns"]:
-            return {}
-        out = {k: v / total["n_turns"] for k, v in total.items() if k.startswith(("state/", "error/"))}
-        out["healthy_rate"] = sum(out[f"state/{s.value}"] for s in TurnState if s.healthy)
-        out["turns_per_episode"] = total["n_turns"] / total["n_rollouts"]
-        return out
+        return turn_rates(total) if total["n_turns"] else {}
 
 
 def rejected_controls(completion_ids: torch.Tensor, mask: torch.Tensor, id_to_tag: Mapping[int, str]) -> torch.Tensor:
-    """[B, T] bool: in each sampled turn of each completion, its first control token the grammar rejects.
-    A completion's turns are its runs of sampled tokens (`mask`: a multi-turn completion's tool responses
-    are 0 there), each cut after its `<|im_end|>`."""
+    """[B, T] bool: in each sampled turn of each completion, its first control token the grammar rejects
+    (`supervision.rejected_positions`, as our trainer's unlikelihood marks them)."""
     out = torch.zeros_like(completion_ids, dtype=torch.bool)
     for b, (ids, m) in enumerate(zip(completion_ids.tolist(), mask.tolist())):
-        turn: list[int] = []  # positions of the current turn
-        for t, (tok, keep) in enumerate(zip(ids + [None], m + [0])):
-            if keep:
-                turn.append(t)
-            if turn and (not keep or id_to_tag.get(tok) == IM_END):
-                bad = first_rejected_control([ids[i] for i in turn], id_to_tag)
-                if bad is not None:
-                    out[b, turn[bad]] = True
-                turn = []
+        for position in rejected_positions(ids, _turn_spans(ids, m, id_to_tag), dict(id_to_tag)):
+            out[b, position] = True
     return out
+
+
+def _turn_spans(ids: Sequence[int], mask: Sequence[Any], id_to_tag: Mapping[int, str]) -> list[tuple[int, int]]:
+    """[start, end) of a completion's turns: its runs of sampled tokens (`mask`: a multi-turn completion's tool
+    responses are 0 there), each cut after its `<|im_end|>`."""
+    spans = []
+    for start, end in _sampled_runs(mask):
+        for t in range(start, end):
+            if id_to_tag.get(ids[t]) == IM_END:
+                spans.append((start, t + 1))
+                start = t + 1
+        if start < end:
+            spans.append((start, end))
+    return spans
 
 
 class Supervision:
