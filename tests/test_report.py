@@ -87,7 +87,7 @@ def _all(rate, offset=0, ood=None, sampled=None):
 
 
 DEFAULT = {"up_rate": 0.30, "down_rate": 0.12, "ets_rate": 0.40, "ets_offset": 0, "control_rate": 0.25,
-           "sft_term_rate": 0.16, "prs_rate": 0.45, "spike": 4, "ets_ood": 0.20, "tries": (0.20, 0.25)}
+           "sft_term_rate": 0.16, "prs_rate": 0.45, "spike": 4, "ets_ood": 0.20, "tries": (0.20, 0.25), "prs_seeds": [0, 1]}
 
 
 def _study(tmp_path, **changes):
@@ -101,7 +101,8 @@ def _study(tmp_path, **changes):
     out = tmp_path / "study"
     settings = {"plain_lr1e-3": {"grpo.lr": 1e-3}, "plain_lr3e-4": {"grpo.lr": 3e-4}, "plain_lr3e-5": {"grpo.lr": 3e-5},
                 "ets": {"grpo.lr": 3e-4, "supervision.ets.enabled": True},
-                "prs": {"grpo.lr": 3e-4, "supervision.ets.enabled": True, "supervision.prs.enabled": True},
+                "prs": {"grpo.lr": 3e-4, "supervision.ets.enabled": True, "supervision.prs.enabled": True,
+                        "seeds": d["prs_seeds"]},
                 "sft_term": {"grpo.lr": 3e-4, "supervision.sft_coef": 0.1, "tries": [{"supervision.sft_coef": 0.5}]},
                 "sft_only_ets": {"grpo.lr": 3e-4, "supervision.sft_only.match": "@ets"}}
     path = tmp_path / "study.yaml"
@@ -225,6 +226,7 @@ def test_report_files(tmp_path):
     assert "| start: success % | 20.0 | 20.0 | 20.0 | 20.0 | 5.0 |" in text  # test, ood x2, val; sampled 1/4 of 20 %
     assert "| plain RL (GRPO) | 3.50 | plain |" in text  # the paper's figures in their own table
     assert "lr_up = 3e-05" in text and "lr_down = 0.0003" in text
+    assert "**Seeds.**" not in text  # every arm has both seeds
     for fig in re.findall(r"!\[[^]]*\]\(([^)]+)\)", text):
         assert (md.parent / fig).is_file()
     page = (md.parent / "report.html").read_text()
@@ -292,3 +294,15 @@ def test_the_arms_table_names_a_chat_model_judge_and_says_deterministic_when_eve
     arm.metrics = [[{"step": 1, **counts(0, 3, 1)}]]
     assert authors_cell(arm) == "; judge openai qwen-judge: deterministic (all 4 replies fell back)"
     assert authors_cell(Arm("prs", "prs", "prs", "ets", 1e-4, load_config(None, sets[:2]))) == ""
+
+
+def test_the_report_says_which_arms_ran_fewer_seeds(tmp_path):
+    """Issue 18's budget rule (every seed for plain GRPO and the best signals, one for the rest): the setup
+    names the arms at each seed count."""
+    from toolcollapse.report import write_report
+
+    text = write_report(*_study(tmp_path, prs_seeds=[0])).read_text()
+    line = next(x for x in text.splitlines() if x.startswith("**Seeds.**"))
+    assert line.startswith("**Seeds.** 2 seeds: ") and line.split("; ")[1].startswith("1 seed: prs")
+    assert "prs" not in line.split("; ")[0]
+

@@ -158,6 +158,13 @@ def setup_text(study: Study, r: Rates, command: str) -> list[str]:
                  "its 95 % bootstrap interval over tasks and seeds, the sign test's p over tasks (McNemar's for one seed a "
                  "side), and a verdict (yes / no only when the "
                  "interval excludes zero, else undecided).")
+    seeds: dict[int, list[str]] = {}
+    for arm in study.arms:
+        seeds.setdefault(len(arm.runs), []).append(arm.setting)
+    if len(seeds) > 1:  # the study's file gave some arms fewer seeds (issue 18's budget rule)
+        lines.append("**Seeds.** " + "; ".join(f"{n} seed{'s' if n != 1 else ''}: {', '.join(names)}"
+                                               for n, names in sorted(seeds.items(), reverse=True))
+                     + ". A comparison uses the seeds each side has (`tasks x seeds a/b` in its numbers).")
     prov = Path(study.out_dir) / PROVENANCE
     ran = json.loads(prov.read_text()) if prov.is_file() else []
     started = ("runs started at " + "; continued at ".join(f"commit {x['commit']} on {x['date']}" for x in ran)
