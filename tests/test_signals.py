@@ -1,6 +1,6 @@
 """The signal protocol (signals/): the registry builds what a config turns on, in the loop's order, and a new
 signal is one class plus one registry line -- shown by a toy signal that lives only here (docs/DESIGN.md,
-"Where to add")."""
+"Where to add"); tests/test_trl_signals.py runs it through TRL's trainer."""
 
 
 import torch
@@ -30,16 +30,20 @@ def test_the_registry_builds_the_signals_a_config_turns_on_in_the_loop_s_order()
 class SampledNLL(LossTerm):
     """A toy term: coef * the mean NLL of the tokens the policy sampled, from the update's own forward."""
 
+    SUMS = ("nll", "calls")
+
     def __init__(self, coef):
-        self.coef, self.total, self.calls = coef, 0.0, 0
+        super().__init__()
+        self.coef = coef
 
     def forward_loss(self, logp, mb):
         nll = -logp.mean()
-        self.total, self.calls = self.total + nll.item(), self.calls + 1
+        self.add(nll=nll.item(), calls=1)
         return self.coef * nll
 
-    def metrics(self):
-        return {"toy/nll": self.total / self.calls}
+    @staticmethod
+    def metrics_of(sums):
+        return {"toy/nll": sums["nll"] / sums["calls"]} if sums["calls"] else {}
 
 
 class Toy(Signal):

@@ -26,9 +26,21 @@ class OptimizerStep:
 
 
 class LossTerm:
-    """A term of the loss beside the clipped surrogate (the defaults add nothing)."""
+    """A term of the loss beside the clipped surrogate (the defaults add nothing).
+
+    What it logs is kept as additive sums (`SUMS`, in `self.sums`: over micro-batches, optimizer steps and, in
+    TRL, ranks and logging windows) and turned into metrics by `metrics_of`, so every trainer reduces them the
+    same way: ours over an RL step, TRL's over its ranks since the last log."""
 
     marked: Sequence[Sequence[int]] | None = None  # per row, token positions the term reads as `batch.unlikely`
+    SUMS: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self) -> None:
+        self.sums = dict.fromkeys(self.SUMS, 0.0)
+
+    def add(self, **values: float) -> None:
+        for key, value in values.items():
+            self.sums[key] += value
 
     def begin(self, step: OptimizerStep) -> None:
         """An optimizer step starts."""
@@ -46,8 +58,13 @@ class LossTerm:
         """After the micro-batches: a loss of its own forward, backpropagated; whether it was finite."""
         return True
 
-    def metrics(self) -> dict[str, float]:
+    @staticmethod
+    def metrics_of(sums: dict[str, float]) -> dict[str, float]:
+        """What it logs, from its sums."""
         return {}
+
+    def metrics(self) -> dict[str, float]:
+        return self.metrics_of(self.sums)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ class LuffyShaping(LossTerm):
     """The tokens of the batch's `expert` rows take -A * p / (p + gamma) instead of the clipped surrogate."""
 
     def __init__(self, gamma: float):
+        super().__init__()
         self.gamma = gamma
 
     def token_loss(self, pg: torch.Tensor, logp: torch.Tensor, adv: torch.Tensor, mb: PolicyBatch,

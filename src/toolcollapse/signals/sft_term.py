@@ -8,16 +8,36 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+import torch
+import torch.nn.functional as F
+
 from toolcollapse.encoding import encode_tasks
 from toolcollapse.signals.base import LossTerm, OptimizerStep, Signal, Step
 from toolcollapse.supervision import SFTTerm
 
 
+def reference_nll(model: Any, ids: torch.Tensor, kind: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """One forward over right-padded rows [B, L] of context and reference (`kind`: 0 padding, 1 context, 2 a
+    trained reference token; the position before a trained token predicts it): the trained tokens' summed NLL,
+    their count, and the logits' sum times zero, which, added to a loss, keeps every parameter of the forward
+    in the backward (a row of padding only trains nothing and still takes part in a distributed backward)."""
+    train = kind == 2
+    select = torch.zeros_like(train)
+    select[:, :-1] = train[:, 1:]
+    attention = (kind > 0).long()
+    attention[:, 0] = 1  # a padding-only row still attends somewhere (a fully masked row gives NaN)
+    logits = model(input_ids=ids, attention_mask=attention).logits
+    nll = F.cross_entropy(logits[select].float(), ids[train], reduction="sum")
+    return nll, int(train.sum()), 0.0 * logits.sum()
+
+
 class SFTTermLoss(LossTerm):
+    SUMS = ("nll", "tokens", "calls")  # the optimizer steps' token-mean NLLs, their tokens, their count
+
     def __init__(self, sft: Any, examples: Sequence[Any]):
+        super().__init__()
         self.sft, self.examples = sft, list(examples)  # supervision.SFTTerm; the step's tasks' ground truth
         self.part: Sequence[Any] = ()
-        self.nll, self.tokens, self.calls = 0.0, 0.0, 0
 
     def begin(self, step: OptimizerStep) -> None:
         g = step.group_size
@@ -26,15 +46,14 @@ class SFTTermLoss(LossTerm):
 
     def backward(self, model: Any) -> bool:
         stats = self.sft.backward(model, self.part)
-        self.nll += stats["sup/sft_nll"]
-        self.tokens += stats["sup/sft_tokens"]
-        self.calls += 1
+        self.add(nll=stats["sup/sft_nll"], tokens=stats["sup/sft_tokens"], calls=1)
         return math.isfinite(stats["sup/sft_nll"])
 
-    def metrics(self) -> dict[str, float]:
-        if not self.calls:
+    @staticmethod
+    def metrics_of(sums: dict[str, float]) -> dict[str, float]:
+        if not sums["calls"]:
             return {}
-        return {"sup/sft_nll": self.nll / self.calls, "sup/sft_tokens": self.tokens}
+        return {"sup/sft_nll": sums["nll"] / sums["calls"], "sup/sft_tokens": sums["tokens"]}
 
 
 class SFTTermSignal(Signal):

@@ -17,31 +17,36 @@ from toolcollapse.supervision import unlikely_positions
 
 
 class Unlikelihood(LossTerm):
+    """coef * -log(1 - p) at the marked tokens, a mean over the optimizer step's (`begin`'s batch: ours, the
+    mini-batch; TRL's, the micro-batch, its terms then averaged over the accumulation steps as its own)."""
+
+    SUMS = ("unlikelihood", "tokens")  # over the last pass: the terms' sum and their tokens
+
     def __init__(self, coef: float, marked: Sequence[Sequence[int]]):
+        super().__init__()
         self.coef, self.marked = coef, marked  # per row, the positions `build_batch` marks as `unlikely`
         self.n = 0  # the optimizer step's rejected tokens
         self.last_pass = False
-        self.total = 0.0  # over the last pass: the terms' sum and their tokens
-        self.tokens = 0
 
     def begin(self, step: OptimizerStep) -> None:
         self.n = int(step.batch.unlikely.sum()) if step.batch.unlikely is not None else 0
         self.last_pass = step.last_pass
         if self.last_pass:
-            self.tokens += self.n
+            self.add(tokens=self.n)
 
     def forward_loss(self, logp: torch.Tensor, mb: PolicyBatch) -> torch.Tensor | None:
         if not self.n:
             return None
         ul = unlikelihood(logp[mb.unlikely[mb.target_mask]])  # [K] the micro-batch's rejected tokens
         if self.last_pass:
-            self.total += ul.sum().item()
+            self.add(unlikelihood=ul.sum().item())
         return self.coef * ul.sum() / self.n
 
-    def metrics(self) -> dict[str, float]:
-        if not self.tokens:
+    @staticmethod
+    def metrics_of(sums: dict[str, float]) -> dict[str, float]:
+        if not sums["tokens"]:
             return {}
-        return {"sup/unlikelihood": self.total / self.tokens, "sup/unlikely_tokens": self.tokens}
+        return {"sup/unlikelihood": sums["unlikelihood"] / sums["tokens"], "sup/unlikely_tokens": sums["tokens"]}
 
 
 class UnlikelihoodSignal(Signal):

@@ -1,0 +1,99 @@
+"""Our signals inside TRL's GRPOTrainer (issue 19): a signal's loss terms are the same objects in both trainers,
+so one batch fed to both gives the same terms and the same metric keys; the toy signal of test_signals.py
+plugs into TRL as it plugs into ours. Skipped where TRL is absent."""
+
+import pytest
+import torch
+from test_signals import SampledNLL, Toy
+from test_trl import _keeping, _tool_world_args
+
+pytest.importorskip("trl", reason="the TRL integration needs TRL: pip install 'toolcollapse[trl]'")
+
+
+class Recording(Toy):
+    """The toy signal, keeping the Steps TRL hands it."""
+
+    def __init__(self, cfg, **given):
+        super().__init__(cfg, **given)
+        self.steps = []
+
+    def terms(self, step):
+        self.steps.append(step)
+        return super().terms(step)
+
+
+def test_one_batch_through_both_trainers_gives_equal_loss_terms_and_metric_keys(tmp_path, tiny_checkpoint):
+    """TRL's update on its first batch (engine_rollouts, one micro-batch), with unlikelihood and the toy signal,
+    then our update (`update.policy_step`) on the same rollouts, from the same weights, with the terms our loop
+    builds: the same unlikelihood tokens, the same term values to 1e-5, the same `sup/*` and `toy/*` keys."""
+    from transformers import AutoTokenizer
+
+    from toolcollapse.config import load_config
+    from toolcollapse.envs import make_env
+    from toolcollapse.integrations.trl import MonitoredGRPOTrainer, engine_rollouts, episode_success, task_dataset
+    from toolcollapse.model import load_model
+    from toolcollapse.rollout import RolloutEngine
+    from toolcollapse.signals import Unlikelihood
+    from toolcollapse.supervision import unlikely_positions
+    from toolcollapse.update import policy_step
+
+    cfg = load_config("configs/tiny_rl.yaml", ["world.n_train=2000", "world.n_test=200", "world.n_ood=150",
+                                               "rollout.max_turns=3", "rollout.max_new_tokens=24",
+                                               "grpo.group_size=4", "grpo.micro_batch_size=8"])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    tasks = make_env(cfg).tasks("train")[:2]
+    model = load_model(tiny_checkpoint)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    toy = Recording(cfg)
+    trainer = _keeping(MonitoredGRPOTrainer)(
+        model=model, reward_funcs=episode_success, args=_tool_world_args(tmp_path, num_generations=4),
+        train_dataset=task_dataset(cfg, "train", 2), processing_class=tokenizer,
+        rollout_func=engine_rollouts(cfg, tokenizer, tasks=tasks), unlikelihood_coef=0.5, signals=[toy])
+    trainer.train()
+    trl_log = trainer.state.log_history[0]
+    (step,) = toy.steps
+    assert len(step.episodes) == 8 and step.kinds == ["policy"] * 8
+
+    ours = load_model(tiny_checkpoint)
+    ours.load_state_dict(before)
+    engine = RolloutEngine(ours, tokenizer, make_env(cfg))
+    marked = unlikely_positions(step.episodes, engine.id_to_tag, cfg.rollout.call_end)
+    terms = [Unlikelihood(0.5, marked), SampledNLL(5.0)]
+    optimizer = torch.optim.AdamW(ours.parameters(), lr=0.0)
+    our_log = policy_step(ours, None, optimizer, step.episodes, torch.zeros(8), cfg.grpo, tokenizer.pad_token_id,
+                          {}, temperature=cfg.rollout.temperature, terms=terms)
+
+    n_marked = sum(len(m) for m in marked)
+    assert n_marked > 0  # the random policy writes control tokens the grammar rejects: the term has work
+    assert trl_log["sup/unlikely_tokens"] == our_log["sup/unlikely_tokens"] == n_marked
+    assert trl_log["sup/unlikelihood"] == pytest.approx(our_log["sup/unlikelihood"], rel=1e-5)
+    assert trl_log["toy/nll"] == pytest.approx(our_log["toy/nll"], rel=1e-5)
+    keys = lambda log: sorted(k for k in log if k.startswith(("sup/", "toy/")))  # noqa: E731
+    assert keys(trl_log) == keys(our_log) == ["sup/unlikelihood", "sup/unlikely_tokens", "toy/nll"]
+
+
+def test_trl_refuses_a_signal_term_it_cannot_run(tmp_path, tiny_checkpoint):
+    """A term that reshapes the surrogate (OPS's LUFFY shaping) is not run in TRL's update: the first batch stops
+    with an error naming the term and what TRL offers instead."""
+    from transformers import AutoTokenizer
+
+    from toolcollapse.config import load_config
+    from toolcollapse.envs import make_env
+    from toolcollapse.integrations.trl import MonitoredGRPOTrainer, engine_rollouts, episode_success, task_dataset
+    from toolcollapse.model import load_model
+    from toolcollapse.signals import LuffyShaping
+
+    class Shaping(Toy):
+        def terms(self, step):
+            return [LuffyShaping(0.1)]
+
+    cfg = load_config("configs/tiny_rl.yaml", ["world.n_train=2000", "world.n_test=200", "world.n_ood=150",
+                                               "rollout.max_turns=2", "rollout.max_new_tokens=8"])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    trainer = MonitoredGRPOTrainer(
+        model=load_model(tiny_checkpoint), reward_funcs=episode_success, args=_tool_world_args(tmp_path,
+                                                                                               num_generations=4),
+        train_dataset=task_dataset(cfg, "train", 2), processing_class=tokenizer,
+        rollout_func=engine_rollouts(cfg, tokenizer, tasks=make_env(cfg).tasks("train")[:2]), signals=[Shaping(cfg)])
+    with pytest.raises(ValueError, match="LuffyShaping defines \\['token_loss'\\]"):
+        trainer.train()
