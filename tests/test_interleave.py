@@ -285,6 +285,7 @@ def test_the_adaptive_schedule_rolls_back_to_the_checkpoint_before_an_injected_a
 
     from toolcollapse import rl
     from toolcollapse.alarms import Alarm, Rule
+    from toolcollapse.rundir import resume_config
     from toolcollapse.runtime import read_jsonl
 
     update = rl.Watcher.update
@@ -319,6 +320,10 @@ def test_the_adaptive_schedule_rolls_back_to_the_checkpoint_before_an_injected_a
     events = [a for a in read_jsonl(run / "alarms.jsonl") if a.get("event") == "recovery"]
     assert events == [{"step": 3, "event": "recovery", "adaptive/recovery": 1, "adaptive/rollback_to": 2,
                        "adaptive/lr_scale": 0.5}]
+    # resumed after the recovery, the run keeps its LR cut (Adaptive.start takes it up from the steps taken)
+    shutil.rmtree(ckpt / "step_000005")
+    rl.run_rl(resume_config(run), run, resume=True)
+    assert _metrics(run)[4]["lr"] == pytest.approx(0.5 * rows[2]["lr"])
 
     run = rl.run_rl(load_config(config, base + ["grpo.steps=4"]), tmp_path / "with_sft")
     rows = _metrics(run)

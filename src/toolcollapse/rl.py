@@ -209,7 +209,9 @@ class Run:
     writer: Any
     start: int  # the first step this process runs
     fresh: bool  # no checkpoint to continue from
-    lr_scale: float = 1.0  # the adaptive schedule's cut so far
+    rows: list[dict[str, Any]] = field(default_factory=list)  # the metrics of the steps taken (resumed: what
+    #                                                           a signal's `start` restores its state from)
+    lr_scale: float = 1.0  # the LR's cut by alarm handlers so far (the adaptive schedule's)
     recoveries: int = 0
     sft_tokens_total: float = 0.0
     last_val: str = "-"  # the last validation's success (and its cost), for the progress line
@@ -298,9 +300,7 @@ def start_run(cfg: RunConfig, run_dir: Path, resume: bool, signals: list[Signal]
                          generation_prompt_len=len(engine.encoder.encode(generation_prompt())[0]))
     run = Run(cfg, run_dir, model, ref_model, tokenizer, optimizer, engine, phases, signals, order, probe,
               probe_tokens, env.tasks(cfg.eval.split, g.eval_n) if g.eval_every else [], _watcher(cfg, rows),
-              handler, writer, start, fresh=not done,
-              lr_scale=next((r["adaptive/lr_scale"] for r in reversed(rows) if "adaptive/lr_scale" in r), 1.0),
-              recoveries=sum("adaptive/recovery" in r for r in rows), sft_tokens_total=sft_tokens_so_far(rows))
+              handler, writer, start, fresh=not done, rows=rows, sft_tokens_total=sft_tokens_so_far(rows))
     for signal in signals:
         signal.start(run)
     model.train()

@@ -18,7 +18,10 @@ class Adaptive(Signal):
         return cfg.supervision.adaptive.enabled
 
     def start(self, run: Any) -> None:
+        """A resumed run takes up its LR cut and its count of recoveries from the steps taken."""
         self.phases = run.phases
+        run.lr_scale = next((r["adaptive/lr_scale"] for r in reversed(run.rows) if "adaptive/lr_scale" in r), 1.0)
+        run.recoveries = sum("adaptive/recovery" in r for r in run.rows)
         if self.cfg.supervision.adaptive.rollback and run.fresh:
             run.save(0)  # a rollback target before the first periodic checkpoint
 

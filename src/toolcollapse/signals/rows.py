@@ -24,10 +24,7 @@ def group_rollouts(engine: Any, tasks: Sequence[Task], params: Any, group_size: 
     if not sampled_rows:
         sampled = engine.generate(tasks, params, group_size=n_policy, seed=seed)
     else:
-        prompts = [[r.prompt(t)] * r.n for t in tasks for r in sampled_rows]
-        per_task = len(sampled_rows)
-        batch = [x for i, t in enumerate(tasks) for x in
-                 [t] * n_policy + [p for copies in prompts[i * per_task:(i + 1) * per_task] for p in copies]]
+        batch = [x for t in tasks for x in [t] * n_policy + [p for r in sampled_rows for p in [r.prompt(t)] * r.n]]
         sampled = engine.generate(batch, params, group_size=1, seed=seed)
         own = {t.id: engine.prompt_ids(t) for t in tasks}
         sampled = [without_hint(ep, own[ep.task_id]) if i % n_sampled >= n_policy else ep
