@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from toolcollapse import attention, monitor, rollout
+from toolcollapse import attention, monitor
 from toolcollapse.config import load_config
 from toolcollapse.envs import make_env
 from toolcollapse.evaluate import sampling_params
@@ -40,14 +40,14 @@ def lean_side_by_side(engine: RolloutEngine, env, cfg, rounds: int = 6) -> None:
     episodes = {}
     for r in range(rounds):
         for lean in ((True, False) if r % 2 else (False, True)):
-            rollout.LEAN_DECODE = lean
+            engine.lean_decoding = lean
             for k in range(2):  # two study steps' tasks
                 tasks = env.tasks("train")[4 * k:4 * k + 4]
                 t = time.perf_counter()
                 eps = engine.generate(tasks, sampling_params(cfg, greedy=False), group_size=8, seed=k)
                 times[lean].append(time.perf_counter() - t)
                 episodes.setdefault((lean, k), [(e.tokens, e.logprobs) for e in eps])
-    rollout.LEAN_DECODE = True
+    engine.lean_decoding = True
     same = all(episodes[(True, k)] == episodes[(False, k)] for k in range(2))
     a, b = statistics.mean(times[False]), statistics.mean(times[True])
     print(f"1. study rollout, mean of {len(times[True])}: model(...) {a:.3f} s, lean_decode {b:.3f} s, {a / b:.2f}x; "

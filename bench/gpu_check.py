@@ -136,10 +136,9 @@ def lean_vs_model(checkpoint: Path, device: str, tiny: bool) -> dict:
     tasks = env.tasks("test")[:2 if tiny else 8]
     runs, took = {}, False
     for lean in (True, False):
-        rollout.LEAN_DECODE = lean
+        engine.lean_decoding = lean
         runs[lean] = engine.generate(tasks, sampling_params(cfg, greedy=True), group_size=2)
         took = took or engine.lean  # the lean run's decoding went through lean_decode
-    rollout.LEAN_DECODE = True
     diff = max((abs(a - b) for x, y in zip(runs[True], runs[False]) for a, b in zip(x.logprobs, y.logprobs)),
                default=0.0)
     return {"tokens_identical": [e.tokens for e in runs[True]] == [e.tokens for e in runs[False]],

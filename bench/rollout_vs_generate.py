@@ -5,9 +5,9 @@ The baseline is what most multi-turn RL code does: every turn, call
 prefilled again each turn. Both sides run the same model on the same tasks, greedy,
 with the same stop tokens, turn cap and token budget, and append the same template
 and tool-response tokens; the script checks that they sampled the same number of
-tokens and prints the ratio of sampled tokens per second, measured side by side. The
-engine runs twice: as it is, and with shared-prefix attention and row compaction off
-(the engine before issue 14), so both steps of the gain are measured on one machine.
+tokens and prints the ratio of sampled tokens per second, measured side by side. (The engine
+before issue 14, shared-prefix attention and row compaction off, ran as a second side until issue 19
+removed those switches: `git show b6b1319:bench/rollout_vs_generate.py`; docs/BENCHMARKS.md has its figures.)
 
     python bench/rollout_vs_generate.py --checkpoint runs/tiny/sft --tasks 64
 """
@@ -85,11 +85,9 @@ def main() -> None:
     engine = RolloutEngine(model, tokenizer, env)
     engine.generate(tasks[:4], params)  # warm-up (allocator, kernels)
     sides = {}
-    for name, new in (("toolcollapse engine", True), ("engine before issue 14", False)):
-        t0 = time.perf_counter()
-        episodes = RolloutEngine(model, tokenizer, env, cascade=new, compact=new).generate(tasks, params)
-        sampled = sum(sum(ep.loss_mask) for ep in episodes)
-        sides[name] = (sampled, time.perf_counter() - t0, [e.tokens for e in episodes])
+    t0 = time.perf_counter()
+    episodes = engine.generate(tasks, params)
+    sides["toolcollapse engine"] = (sum(sum(ep.loss_mask) for ep in episodes), time.perf_counter() - t0, None)
     t0 = time.perf_counter()
     base_tokens = generate_per_turn(model, tokenizer, env, tasks, params)
     sides["generate() per turn"] = (base_tokens, time.perf_counter() - t0, None)
@@ -100,12 +98,9 @@ def main() -> None:
     for name, (tokens, seconds, _) in sides.items():
         print(f"{name:24s}: {tokens} sampled tokens in {seconds:.1f} s = {tokens / seconds:.0f} tok/s")
     rate = {name: tokens / seconds for name, (tokens, seconds, _) in sides.items()}
-    print(f"speed-up over generate() per turn: {rate['toolcollapse engine'] / rate['generate() per turn']:.2f}x "
-          f"(the engine before issue 14: {rate['engine before issue 14'] / rate['generate() per turn']:.2f}x)")
-    same = sides["toolcollapse engine"][2] == sides["engine before issue 14"][2]
-    counts = {tokens for tokens, _, _ in sides.values()}
-    print(f"identical episodes, engine now vs before: {same}" + ("" if len(counts) == 1 else
-          "; token counts differ from generate(): float noise in greedy ties"))
+    print(f"speed-up over generate() per turn: {rate['toolcollapse engine'] / rate['generate() per turn']:.2f}x")
+    if len({tokens for tokens, _, _ in sides.values()}) > 1:
+        print("token counts differ from generate(): float noise in greedy ties")
 
 
 if __name__ == "__main__":

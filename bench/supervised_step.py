@@ -2,11 +2,11 @@
 
 The study configuration of `bench/rl_step.py` (4 prompts x G 8, 1 thread) with a supervision signal on
 (the supervision study's HBG: 2 hinted rows of 8; OPS: 1 expert row of 8). What differs:
-  old:  HBG's batch (each task's 6 rows and its 2 hinted copies, one engine call of group_size 1)
-        prefilled every row's prompt (`rollout.SHARE_PROMPTS = False`: a prefill per row, which is what
-        group_size 1 did); the hinted and expert rows' old log-probs recomputed in micro-batches in row
-        order, each padded to the batch's longest row, their prefix run per micro-batch (kept below)
-  new:  each distinct prompt prefilled once; the recompute planned as the update's (`update.plan_rows`)
+  old:  the hinted and expert rows' old log-probs recomputed in micro-batches in row order, each padded to
+        the batch's longest row, their prefix run per micro-batch (kept below)
+  new:  the recompute planned as the update's (`update.plan_rows`)
+(Until issue 19 the old side also prefilled every row of HBG's batch apart, through a module switch that is
+gone: `git show b6b1319:bench/supervised_step.py`; its figures are in docs/BENCHMARKS.md.)
 Each round runs `--steps` steps of `run_rl` both ways from the same checkpoint and seed, in alternating
 order. The first step trains on the same rollouts on both sides (its reward, healthy rate and tokens an
 episode are printed for both); the recomputed log-probs then differ in rounding, so later steps drift.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from toolcollapse import rollout, update
+from toolcollapse import update
 
 sys.path.insert(0, str(Path(__file__).parent))
 import rl_step  # noqa: E402
@@ -67,12 +67,11 @@ def main() -> None:
         recompute: dict[str, list[float]] = {"old": [], "new": []}
         for k in range(args.rounds):
             for name in (("old", "new") if k % 2 == 0 else ("new", "old")):
-                rollout.SHARE_PROMPTS = name == "new"
                 update.recompute_old_logprobs = timed(old_recompute if name == "old" else new_recompute)
                 spent.clear()
                 rows[name].append(rl_step.run(args.checkpoint, args.steps, extra))
                 recompute[name] += spent[1:]
-        rollout.SHARE_PROMPTS, update.recompute_old_logprobs = True, new_recompute
+        update.recompute_old_logprobs = new_recompute
         first = {name: [(r[0]["reward_mean"], round(r[0]["healthy_rate"], 4), r[0]["response_tokens"]) for r in runs]
                  for name, runs in rows.items()}
         print(f"{setting}: step 0 (reward, healthy rate, sampled tokens an episode): old {first['old']}, "

@@ -34,6 +34,24 @@ def test_phases_of_the_copy_warmup_and_older_keys():
         load_config(None, ["sft.copy_warmup_content=everything"])
 
 
+def test_the_removed_speed_switches_load_where_on_and_refuse_to_be_turned_off(tmp_path):
+    """Run directories written before issue 19 hold the old-path switches, always on: they still load (a
+    resume); turning one off names the switch and where the path before it lives."""
+    from toolcollapse.config import dump_config
+
+    cfg = load_config("configs/tiny_rl.yaml")
+    dump_config(cfg, tmp_path / "toolcollapse.yaml")
+    text = (tmp_path / "toolcollapse.yaml").read_text()
+    old = text.replace("rollout:\n", "rollout:\n  shared_prefix_attention: true\n  compact_finished_rows: true\n")
+    old = old.replace("grpo:\n", "grpo:\n  sort_micro_batches: true\n  prefix_once: true\n")
+    assert old.count(": true\n") >= 4 and old != text
+    (tmp_path / "old.yaml").write_text(old)
+    assert load_config(tmp_path / "old.yaml") == cfg
+    for key in ("rollout.share_group_prompt", "grpo.prefix_once"):
+        with pytest.raises(ConfigError, match=rf"{key}: the switch is gone .* b6b1319"):
+            load_config("configs/tiny_rl.yaml", [f"{key}=false"])
+
+
 @pytest.mark.parametrize("override, names", [
     ("sft.lrr=1", "sft.lrr"),
     ("bogus=1", "bogus"),

@@ -119,11 +119,38 @@ def _update_grads(model, batch, **grpo):
     return captured["g"]
 
 
+def _plain_grads(model, batch, g, reference=None):
+    """The gradient of `grpo_update`'s loss by the plainest route: one forward of the whole batch through the
+    model, no prefix run apart, no micro-batches; with `reference`, g.kl_coef * k3 to its plain forward."""
+    import copy
+
+    from toolcollapse.losses import aggregate, kl_k3, ppo_clip_loss
+
+    def logprobs(m):
+        select = torch.zeros_like(batch.target_mask)
+        select[:, :-1] = batch.target_mask[:, 1:]
+        logits = m(input_ids=batch.input_ids).logits[select].float()
+        return torch.log_softmax(logits, dim=-1).gather(1, batch.input_ids[batch.target_mask][:, None]).squeeze(1)
+
+    model = copy.deepcopy(model).train()
+    logp = logprobs(model)
+    seq = batch.target_mask.nonzero()[:, 0]
+    loss, _ = ppo_clip_loss(logp, batch.old_logp[batch.target_mask], batch.advantages[seq], g.clip_low, g.clip_high,
+                            g.dual_clip)
+    if reference is not None:
+        with torch.no_grad():
+            ref = logprobs(reference)
+        loss = loss + g.kl_coef * kl_k3(logp, ref)
+    aggregate(loss, seq, g.loss_agg, len(logp), len(batch)).backward()
+    return [p.grad for p in model.parameters()], logp.detach()
+
+
 @pytest.mark.parametrize("rows", ["two tasks", "one row twice", "two rows with nothing sampled"])
 def test_the_prefix_run_once_for_all_micro_batches_gives_the_same_gradient(tiny_model, tokenizer, rollouts, rows):
-    """`grpo.prefix_once`: the system prompt runs once an update, its keys' and values' gradients from every
-    micro-batch summed and sent back through it once -- the gradient of running it in each micro-batch.
-    "one row twice": the rows share everything, sampled tokens too, so the prefix stops before the first."""
+    """The system prompt runs once an update, its keys' and values' gradients from every micro-batch (sorted by
+    length, cut) summed and sent back through it once: the gradient of one plain forward of the whole batch,
+    and the reference's log-probs by the same plan are its plain ones. "one row twice": the rows share
+    everything, sampled tokens too, so the prefix stops before the first."""
     from toolcollapse.update import batch_prefix, reference_logprobs
 
     episodes, adv = ([rollouts[0]] * 2, [1.0, -0.5]) if rows == "one row twice" else (rollouts, [1.0, -0.5, 0.2, -1.0,
@@ -134,24 +161,22 @@ def test_the_prefix_run_once_for_all_micro_batches_gives_the_same_gradient(tiny_
     first_sampled = int(batch.target_mask[0].nonzero().min())
     length = batch_prefix(tiny_model, batch).length
     assert length > 100 and (length == first_sampled - 1 if rows == "one row twice" else length < first_sampled - 1)
-    once, each = (_update_grads(tiny_model, batch, micro_batch_size=2, prefix_once=flag) for flag in (True, False))
-    for a, b in zip(once, each):
+    once = _update_grads(tiny_model, batch, micro_batch_size=2)
+    plain, plain_logp = _plain_grads(tiny_model, batch, GRPOConfig(kl_coef=0.0))
+    for a, b in zip(once, plain):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
     k_proj = [n for n, _ in tiny_model.named_parameters()].index("model.layers.0.self_attn.k_proj.weight")
     assert once[k_proj].abs().max() > 1e-4  # the prefix's keys do carry gradient: without its backward, no match
-    g = GRPOConfig(micro_batch_size=2)
-    with torch.no_grad():
-        ref = [reference_logprobs(tiny_model, batch, __import__("dataclasses").replace(g, prefix_once=flag))
-               for flag in (True, False)]
-    for a, b in zip(*ref):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    with torch.no_grad():  # (in the plan's row order: compared as sorted values)
+        ref = torch.cat(reference_logprobs(tiny_model, batch, GRPOConfig(micro_batch_size=2)))
+    torch.testing.assert_close(ref.sort().values, plain_logp.sort().values, atol=1e-5, rtol=0)
 
 
-def test_micro_batches_by_prompt_where_prompts_are_long_give_the_same_update(tiny_model, monkeypatch):
+def test_micro_batches_by_prompt_where_prompts_are_long_give_the_same_update(tiny_model):
     """Where rows' prompts run long past the batch's shared prefix (BFCL: each task its own system prompt),
     `update_plan` cuts micro-batches by prompt, each running its rows' prompt once: the same gradient -- a
     KL term to a different reference included, so the reference's micro-batches must pair with the
-    update's -- as the batch's prefix once and micro-batches by length."""
+    update's -- as one plain forward of the whole batch."""
     import copy
 
     from toolcollapse import update as upd
@@ -191,10 +216,8 @@ def test_micro_batches_by_prompt_where_prompts_are_long_give_the_same_update(tin
     assert all(shared_prefix_len([r.tolist() for r in mb.input_ids]) >= 340 for mb in parts if len(mb) > 1)
     one_each = upd.update_plan(tiny_model, batch.rows(torch.tensor([0, 3, 6])), g)  # a row a prompt: nothing shared
     assert one_each[0] is not None and len(one_each[1]) == 2
-    monkeypatch.setattr(upd, "MIN_GROUP_SHARED", 10 ** 6)
-    prefix, parts, by_length = update()
-    assert prefix is not None and prefix.length == 40
-    for a, b in zip(by_prompt, by_length):
+    plain, _ = _plain_grads(tiny_model, batch, g, reference)
+    for a, b in zip(by_prompt, plain):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
 
 
@@ -212,8 +235,7 @@ def test_recomputed_old_logprobs_land_on_their_own_rows_whatever_the_plan(tiny_m
     assert len(rows) >= 3 and len(rows) < len(eps)
     with torch.no_grad():
         alone = {i: policy_logprobs(tiny_model, batch.rows(torch.tensor([i])).trimmed())[0] for i in rows}
-    for g in (GRPOConfig(micro_batch_size=3), GRPOConfig(micro_batch_size=2, sort_micro_batches=False),
-              GRPOConfig(micro_batch_size=1, prefix_once=False)):
+    for g in (GRPOConfig(micro_batch_size=3), GRPOConfig(micro_batch_size=2), GRPOConfig(micro_batch_size=1)):
         b = build_batch(eps, torch.zeros(len(eps)), tokenizer.pad_token_id)
         b.old_logp[b.target_mask] = -9.0  # stale: the recomputed rows must lose these
         recompute_old_logprobs(tiny_model, b, rows, g)

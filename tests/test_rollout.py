@@ -1,4 +1,5 @@
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -201,9 +202,10 @@ class StopsSometimes(torch.nn.Module):
 
 
 def test_shared_prefix_attention_and_row_compaction_change_no_greedy_episode(tiny_model, tokenizer, world):
-    """The engine's two speed-ups are exact: the same greedy episodes as the engine before them, on
-    prompts that share the system prompt (test) and on prompts in four renderings (ood_format, whose
-    shared prefix is shorter), in groups, with turns that end at different times (rows leave the batch)."""
+    """The engine's two speed-ups (the batch's shared prefix attended once, rows whose turn ended leaving the
+    batch) are exact: in groups, on prompts that share the system prompt (test) and on prompts in four
+    renderings (ood_format, whose shared prefix is shorter), with turns that end at different times, each
+    row's greedy episode is the one it gets decoded alone. (The engine before them: bench/behaviour_vs_rev.py.)"""
     from toolcollapse.chat import PieceEncoder
 
     stops = [tokenizer.convert_tokens_to_ids(t) for t in ("</tool_call>", "<|im_end|>")]
@@ -211,8 +213,9 @@ def test_shared_prefix_attention_and_row_compaction_change_no_greedy_episode(tin
     model = StopsSometimes(tiny_model, stops, turn_start, tokenizer.convert_tokens_to_ids("<tool_call>")).eval()
     tasks = world.tasks("test")[:3] + world.tasks("ood_format")[:3]
     params = SamplingParams(max_turns=3, max_new_tokens=30, greedy=True, batch_size=12)
-    before = RolloutEngine(model, tokenizer, world, cascade=False, compact=False).generate(tasks, params, group_size=2)
-    now = RolloutEngine(model, tokenizer, world).generate(tasks, params, group_size=2)
+    engine = RolloutEngine(model, tokenizer, world)
+    before = [ep for t in tasks for ep in engine.generate([t], params, group_size=1) * 2]  # each row alone
+    now = engine.generate(tasks, params, group_size=2)
     assert [e.tokens for e in now] == [e.tokens for e in before]
     assert [e.loss_mask for e in now] == [e.loss_mask for e in before]
     torch.testing.assert_close(torch.tensor([x for e in now for x in e.logprobs]),
@@ -223,10 +226,10 @@ def test_shared_prefix_attention_and_row_compaction_change_no_greedy_episode(tin
 
 def test_a_prompts_rows_sharing_one_copy_of_its_rest_change_no_episode(tiny_model, policy, tokenizer, world,
                                                                        monkeypatch):
-    """`share_groups` (on BFCL each task's own system prompt is kept once for its G rows, each prompt's rest
+    """A prompt's rest kept once for its G rows (on BFCL each task's own system prompt, each prompt's rest
     prefilled alone): the same greedy episodes, rows leaving the batch and coming back, and the same sampled
     ones as a copy per row. The tool world's questions are under the length where it pays
-    (rollout.MIN_GROUP_SHARED), so it is lowered."""
+    (`RolloutEngine.min_group_shared`), so it is lowered; raised past any prompt, each row has its copy."""
     from toolcollapse import rollout
     from toolcollapse.chat import PieceEncoder
 
@@ -242,16 +245,18 @@ def test_a_prompts_rows_sharing_one_copy_of_its_rest_change_no_episode(tiny_mode
     groups = RolloutEngine._prefill_groups
     monkeypatch.setattr(RolloutEngine, "_prefill_groups", lambda *a: shared.append(1) or groups(*a))
     monkeypatch.setattr(rollout, "take_rows", lambda *a: parked.append(1) or take_rows(*a))
-    monkeypatch.setattr(rollout, "MIN_GROUP_SHARED", 1)
     stops = [tokenizer.convert_tokens_to_ids(t) for t in ("</tool_call>", "<|im_end|>")]
     turn_start = PieceEncoder(tokenizer).encode(generation_prompt())[0][-1]
     greedy = StopsSometimes(tiny_model, stops, turn_start, tokenizer.convert_tokens_to_ids("<tool_call>")).eval()
     tasks = world.tasks("test")[:6]
     for model, params in ((greedy, SamplingParams(max_turns=3, max_new_tokens=30, greedy=True, batch_size=12)),
                           (policy, SamplingParams(max_turns=4, max_new_tokens=40, batch_size=12))):
-        off = RolloutEngine(model, tokenizer, world, share_groups=False).generate(tasks, params, 3, seed=5)
+        engine = RolloutEngine(model, tokenizer, world)
+        engine.min_group_shared = 10 ** 9
+        off = engine.generate(tasks, params, 3, seed=5)
         parked.clear()
-        on = RolloutEngine(model, tokenizer, world).generate(tasks, params, 3, seed=5)
+        engine.min_group_shared = 1
+        on = engine.generate(tasks, params, 3, seed=5)
         if params.greedy:
             assert parked  # rows whose turn had ended left the batch and came back with their groups
         assert [e.tokens for e in on] == [e.tokens for e in off]
@@ -263,10 +268,9 @@ def test_a_prompts_rows_sharing_one_copy_of_its_rest_change_no_episode(tiny_mode
 
 def test_rows_that_repeat_a_prompt_in_any_order_prefill_it_once(policy, tokenizer, world, monkeypatch):
     """Rows that repeat a prompt, in any order (HBG's batch: each task's rows and its hinted copies,
-    group_size 1), prefill each distinct prompt once and sample what a prefill per row gives, left-padded
-    together and, with rollout.MIN_GROUP_SHARED lowered, kept once as the group parts its rows read."""
-    from toolcollapse import rollout
-
+    group_size 1), prefill each distinct prompt once, left-padded together or, with the engine's
+    `min_group_shared` lowered, kept once as the group parts its rows read; both sample the same episodes,
+    each row's what it samples decoded alone (its own random stream, its index in the call)."""
     a, b, c = world.tasks("test")[:3]
     tasks = [a, b, a, c, a, b]
     params = SamplingParams(max_turns=4, max_new_tokens=40, batch_size=12)
@@ -275,19 +279,20 @@ def test_rows_that_repeat_a_prompt_in_any_order_prefill_it_once(policy, tokenize
     monkeypatch.setattr(RolloutEngine, "_forward", lambda self, ids, *a: prefilled.append(len(ids)) or forward(self, ids, *a))
     monkeypatch.setattr(RolloutEngine, "_prefill_groups", lambda self, c, p, rests, *a: prefilled.append(-len(rests))
                         or groups(self, c, p, rests, *a))
-    for min_shared in (rollout.MIN_GROUP_SHARED, 1):
-        monkeypatch.setattr(rollout, "MIN_GROUP_SHARED", min_shared)
-        runs = []
-        for share in (False, True):
-            monkeypatch.setattr(rollout, "SHARE_PROMPTS", share)
-            prefilled.clear()
-            runs.append(RolloutEngine(policy, tokenizer, world).generate(tasks, params, seed=3))
-            runs[-1] = runs[-1], prefilled[0]
-        (off, rows_off), (on, rows_on) = runs
-        assert rows_off == 6 and rows_on == (3 if min_shared > 1 else -3)
-        assert [e.tokens for e in on] == [e.tokens for e in off] and len({tuple(e.tokens) for e in on}) > 3
+    engine = RolloutEngine(policy, tokenizer, world)
+    runs = []
+    for min_shared in (engine.min_group_shared, 1):
+        engine.min_group_shared = min_shared
+        prefilled.clear()
+        runs.append((engine.generate(tasks, params, seed=3), prefilled[0]))
+    (padded, rows_padded), (grouped, rows_grouped) = runs
+    assert rows_padded == 3 and rows_grouped == -3  # 3 distinct prompts, prefilled once each
+    alone = engine.generate(tasks, dataclasses.replace(params, batch_size=1), seed=3)  # a batch a row
+    for on in (grouped, alone):
+        assert [e.tokens for e in on] == [e.tokens for e in padded]
         torch.testing.assert_close(torch.tensor([x for e in on for x in e.logprobs]),
-                                   torch.tensor([x for e in off for x in e.logprobs]), atol=1e-4, rtol=0)
+                                   torch.tensor([x for e in padded for x in e.logprobs]), atol=1e-4, rtol=0)
+    assert len({tuple(e.tokens) for e in padded}) > 3  # the repeats sampled apart
 
 
 def test_a_prefix_cache_runs_the_system_prompt_once_for_a_steps_rollouts_probe_and_validation(
@@ -330,13 +335,12 @@ def test_a_prefix_cache_runs_the_system_prompt_once_for_a_steps_rollouts_probe_a
 
 
 def test_a_sampled_episode_does_not_depend_on_its_batch(engine, policy, tokenizer, world, episodes):
-    """Each sequence draws from its own stream: the same sampled episodes in batches of 12 and of 5, and
-    through the engine without shared-prefix attention and row compaction (whose batches differ)."""
+    """Each sequence draws from its own stream: the same sampled episodes in batches of 12, of 5, and of one
+    task's group (3 rows: too few to leave the batch, so no row compaction)."""
     tasks, eps = episodes
     small = engine.generate(tasks, SamplingParams(max_turns=4, max_new_tokens=40, batch_size=5), 3, seed=7)
-    old = RolloutEngine(policy, tokenizer, world, cascade=False, compact=False).generate(
-        tasks, SamplingParams(max_turns=4, max_new_tokens=40, batch_size=12), 3, seed=7)
-    assert [e.tokens for e in small] == [e.tokens for e in eps] == [e.tokens for e in old]
+    one = engine.generate(tasks, SamplingParams(max_turns=4, max_new_tokens=40, batch_size=1), 3, seed=7)
+    assert [e.tokens for e in small] == [e.tokens for e in eps] == [e.tokens for e in one]
     assert len({tuple(e.tokens) for e in eps[:3]}) > 1  # a group's rows do sample apart
 
 
@@ -353,8 +357,9 @@ def test_lean_decode_gives_the_models_own_numbers_bit_for_bit(policy, tokenizer,
     params = SamplingParams(max_turns=4, max_new_tokens=40, batch_size=12)
     on = RolloutEngine(policy, tokenizer, world).generate(tasks, params, 3, seed=7)
     lean_steps = len(calls)
-    monkeypatch.setattr(rollout, "LEAN_DECODE", False)
-    off = RolloutEngine(policy, tokenizer, world).generate(tasks, params, 3, seed=7)
+    engine = RolloutEngine(policy, tokenizer, world)
+    engine.lean_decoding = False
+    off = engine.generate(tasks, params, 3, seed=7)
     assert lean_steps > 40 and len(calls) == lean_steps  # every decoding step of `on`, none of `off`
     assert [e.tokens for e in on] == [e.tokens for e in off] == [e.tokens for e in eps]
     assert [x for e in on for x in e.logprobs] == [x for e in off for x in e.logprobs]

@@ -17,24 +17,23 @@ For a batch of tasks and G rollouts each:
 Padding inside the cache is masked, and positions count real tokens only, so each
 sequence sees exactly what an unpadded forward over `Episode.tokens` would see.
 
-With `cascade` (the default) the prefix every prompt of the batch shares -- the system
-prompt -- is run once and its keys and values are kept once: each decoding step attends
-to them for all rows in one product (`attention.py`, `kvcache.CascadeLayer`) instead of
-through a copy per row; the rest of each row is cached per row as before. With `share_groups`
-(the default) the G rows of a prompt also read one copy of the prompt's rest past that prefix
+The prefix every prompt of the batch shares -- the system prompt -- is run once and its keys and
+values are kept once: each decoding step attends to them for all rows in one product (`attention.py`,
+`kvcache.CascadeLayer`) instead of through a copy per row; the rest of each row is cached per row. Where
+the prompts' rests are long (`min_group_shared`), the G rows of a prompt also read one copy of it
 instead of G (on BFCL each task has its own 2-5 k-token system prompt, of which a batch shares ~200).
-Exact: the same episodes as without either (greedy: identical tokens; tested).
+Exact: each row's episode is the one it gets decoded alone (greedy: identical tokens; tested; the
+paths before, a copy per row, are compared in `bench/behaviour_vs_rev.py` against b6b1319).
 The sampling log-prob of every sampled token is recorded (under the distribution it
 was sampled from: temperature and top-p applied), and `loss_mask` is 1 only there.
 Same seed -> same rollouts. Every sequence draws its tokens from its own random stream (seeded by
 the call's seed and the sequence's index in it), one uniform number per sampled token, by inverting
 the CDF: a sequence's samples do not depend on which others share its batch, on rows leaving the
-batch (`compact`), nor on the device (the draws are made on the CPU).
+batch, nor on the device (the draws are made on the CPU).
 """
 
 from __future__ import annotations
 
-import contextlib
 import random
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -55,8 +54,6 @@ from toolcollapse.records import CallEnd, Episode, Task, TurnRecord
 from toolcollapse.runtime import progress
 
 
-SHARE_PROMPTS = True  # rows with the same prompt prefill it once (False: each row its own; benchmarks)
-LEAN_DECODE = True  # decoding steps of Llama models skip Hugging Face's wrappers (`lean_decode`); False: model(...)
 
 
 def lean_decode(model: LlamaForCausalLM, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor,
@@ -162,15 +159,17 @@ class _Row:
 
 
 class RolloutEngine:
-    def __init__(self, model: PreTrainedModel, tokenizer: Any, env: Environment, call_end: CallEnd = "template",
-                 cascade: bool = True, compact: bool = True, share_groups: bool = True):
+    def __init__(self, model: PreTrainedModel, tokenizer: Any, env: Environment, call_end: CallEnd = "template"):
         self.model = model
         self.tokenizer = tokenizer
         self.env = env
         self.call_end = call_end  # who writes a call turn's <|im_end|> (chat.py)
-        self.cascade = cascade  # one copy of the batch's shared prefix (False: a copy per row, the old path)
-        self.compact = compact  # rows whose turn ended leave the decoding batch (False: they decode pads)
-        self.share_groups = share_groups  # with cascade, a prompt's G rows read one copy of the prompt's rest
+        # a prompt's G rows read one copy of its rest past the batch's prefix where the rests average this
+        # many tokens (tests lower it to reach that path with the tool world's short questions)
+        self.min_group_shared = MIN_GROUP_SHARED
+        # decoding steps of Llama models skip Hugging Face's wrappers (`lean_decode`); False: model(...), the
+        # numbers lean_decode must equal to the last bit (tests and bench/gpu_check.py compare them)
+        self.lean_decoding = True
         self.encoder = PieceEncoder(tokenizer)
         ids = self.encoder.special_ids
         self.stop_ids = frozenset(ids[t] for t in stop_tags(call_end))
@@ -183,8 +182,7 @@ class RolloutEngine:
     @classmethod
     def from_config(cls, model: PreTrainedModel, tokenizer: Any, env: Environment, cfg: RolloutConfig) -> RolloutEngine:
         """The engine a run's `rollout` section asks for."""
-        return cls(model, tokenizer, env, cfg.call_end, cfg.shared_prefix_attention, cfg.compact_finished_rows,
-                   cfg.share_group_prompt)
+        return cls(model, tokenizer, env, cfg.call_end)
 
     @torch.no_grad()
     def generate(self, tasks: Sequence[Task], params: SamplingParams, group_size: int = 1,
@@ -193,10 +191,10 @@ class RolloutEngine:
         per_batch = max(1, params.batch_size // group_size)
         was_training = self.model.training
         self.model.eval()
-        self.lean = LEAN_DECODE and lean_decode_applies(self.model)
+        self.lean = self.lean_decoding and lean_decode_applies(self.model)
         bar = progress(len(tasks) * group_size, "rollout") if show_progress else None
         try:
-            with cascade(self.model) if self.cascade else contextlib.nullcontext(), precision(self.model):
+            with cascade(self.model), precision(self.model):
                 episodes: list[Episode] = []
                 for i in range(0, len(tasks), per_batch):
                     batch = self._generate_batch(tasks[i:i + per_batch], params, group_size, seed, i * group_size)
@@ -276,19 +274,16 @@ class RolloutEngine:
 
     def _prefill(self, prompts: list[list[int]]):
         """Run the rows' prompts, each distinct prompt once (a task's G rollouts, HBG's hinted copies of a
-        task): with `cascade`, their shared prefix once into a CascadeLayer cache, then the distinct
-        prompts' rests: long ones (`share_groups`, >= MIN_GROUP_SHARED tokens on average) each alone,
+        task): their shared prefix once into a CascadeLayer cache, then the distinct prompts' rests:
+        long ones (>= `min_group_shared` tokens on average) each alone,
         causal, unpadded, kept once for the prompt's rows (`_prefill_groups`); else left-padded together,
         then copied to the rows. (cache, last logits [N, V], mask of the rows' own positions past the
         prefix [N, L], next positions [N]; N = len(prompts))."""
-        if SHARE_PROMPTS:
-            first: dict[tuple[int, ...], int] = {}  # each distinct prompt's index among them, in order
-            of = [first.setdefault(tuple(p), len(first)) for p in prompts]
-            distinct = [list(p) for p in first]
-        else:
-            of, distinct = list(range(len(prompts))), prompts
+        first: dict[tuple[int, ...], int] = {}  # each distinct prompt's index among them, in order
+        of = [first.setdefault(tuple(p), len(first)) for p in prompts]
+        distinct = [list(p) for p in first]
         of = torch.tensor(of, device=self.device)  # [N] each row's prompt among the distinct ones
-        shared = shared_prefix(distinct) if self.cascade else 0
+        shared = shared_prefix(distinct)
         if shared:
             prefix = (self.prefixes if self.prefixes is not None else PrefixCache(self.model))(distinct[0][:shared])
             cache = cascade_cache(self.model.config, prefix)
@@ -301,8 +296,8 @@ class RolloutEngine:
             attn[i, width - len(p):] = 1
         attn = attn.to(self.device)
         next_pos = shared + attn.sum(dim=1)
-        if (shared and self.share_groups and len(distinct) < len(prompts)
-                and sum(map(len, rests)) / len(rests) >= MIN_GROUP_SHARED):
+        if (shared and len(distinct) < len(prompts)
+                and sum(map(len, rests)) / len(rests) >= self.min_group_shared):
             logits = self._prefill_groups(cache, prefix, rests, attn, of)
             attn = attn[:, :0]  # the rows' own positions: none yet
         else:
@@ -343,16 +338,15 @@ class RolloutEngine:
 
     def _forward(self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
         """Logits [N, V] at the last position of `ids` [N, T]; attn [N, L]: which cached positions (past
-        the shared prefix) and new ones are real. With `cascade` the 4-D mask is built here."""
-        mask = attn
-        if self.cascade:  # [N, 1, T, L]: real positions, causal among the new ones
-            mask = attn.bool()[:, None, None, :] & causal_mask(ids.shape[1], attn.shape[1], ids.device)
-            if ids.shape[1] == 1 and self.lean:
-                return lean_decode(self.model, ids, mask, pos, cache)
+        the shared prefix) and new ones are real; the 4-D mask [N, 1, T, L] is built here: real positions,
+        causal among the new ones."""
+        mask = attn.bool()[:, None, None, :] & causal_mask(ids.shape[1], attn.shape[1], ids.device)
+        if ids.shape[1] == 1 and self.lean:
+            return lean_decode(self.model, ids, mask, pos, cache)
         return forward(self.model, ids, mask, pos, cache=cache, logits_to_keep=1).logits[:, -1]
 
     def _decode_turn(self, rows: list[_Row], cache, logits, attn, next_pos, params):
-        """One assistant turn for every row, in lock-step. With `compact`, once half the batch (and at
+        """One assistant turn for every row, in lock-step. Once half the batch (and at
         least PARK_MIN rows) has ended its turn, those rows leave the batch -- their cache rows are set
         aside -- and come back, after the others, when the turn ends. Returns (rows in their new
         order, attn, next positions)."""
@@ -384,7 +378,7 @@ class RolloutEngine:
             live = [i for i, r in enumerate(rows) if r.generating]
             if not live:
                 break
-            if self.compact and len(rows) - len(live) >= max(PARK_MIN, len(rows) // 2):
+            if len(rows) - len(live) >= max(PARK_MIN, len(rows) // 2):
                 done = torch.tensor([i for i, r in enumerate(rows) if not r.generating], device=self.device)
                 parked.append(([rows[i] for i in done.tolist()], take_rows(cache, done), attn[done], next_pos[done]))
                 index = torch.tensor(live, device=self.device)

@@ -303,35 +303,30 @@ def update_plan(model: Any, batch: PolicyBatch, g: Any) -> tuple[BatchPrefix | N
     """How a forward over `batch` runs (the update's, the reference's): `plan_rows`' micro-batches, each
     cut after its last sampled position where they are sorted by length."""
     prefix, plan = plan_rows(model, batch, g)
-    return prefix, [batch.rows(rows).trimmed() if g.sort_micro_batches else batch.rows(rows) for rows in plan]
+    return prefix, [batch.rows(rows).trimmed() for rows in plan]
 
 
 def plan_rows(model: Any, batch: PolicyBatch, g: Any) -> tuple[BatchPrefix | None, list[torch.Tensor]]:
-    """The batch's shared prefix run once (`grpo.prefix_once`) and the rows [n] of each micro-batch of
-    `grpo.micro_batch_size`, by length (`sort_micro_batches`); but where the prompts are long past that
+    """The batch's shared prefix run once and the rows [n] of each micro-batch of `grpo.micro_batch_size`,
+    sorted by length; but where the prompts are long past that
     prefix (BFCL: each task its own 2-5 k-token system prompt, a batch sharing ~200 tokens) micro-batches
     by prompt, each running its rows' whole prompt once, instead of every row its own copy."""
-    if not g.prefix_once:
-        return None, micro_batch_rows(batch, g.micro_batch_size, g.sort_micro_batches)
     ids = [r.tolist() for r in batch.input_ids]
     shared = shared_prefix_len(ids)
     prompt_lens = batch.target_mask.float().argmax(dim=1).tolist()  # [N] the first sampled position
     sampled = [i for i, row in enumerate(batch.target_mask.any(dim=1).tolist()) if row]
-    if (g.sort_micro_batches and sampled and sum(prompt_lens[i] - shared for i in sampled) / len(sampled) >= MIN_GROUP_SHARED
+    if (sampled and sum(prompt_lens[i] - shared for i in sampled) / len(sampled) >= MIN_GROUP_SHARED
             and len({tuple(ids[i][:prompt_lens[i]]) for i in sampled}) < len(sampled)):  # (some prompt has 2+ rows)
-        return None, micro_batch_rows(batch, g.micro_batch_size, True, prompt_lens)
-    return batch_prefix(model, batch, shared), micro_batch_rows(batch, g.micro_batch_size, g.sort_micro_batches)
+        return None, micro_batch_rows(batch, g.micro_batch_size, prompt_lens)
+    return batch_prefix(model, batch, shared), micro_batch_rows(batch, g.micro_batch_size)
 
 
-def micro_batch_rows(batch: PolicyBatch, size: int, by_length: bool,
-                     prompt_lens: Sequence[int] | None = None) -> list[torch.Tensor]:
-    """The rows [n] of each micro-batch of `size` rows of `batch`. `by_length`: rows sorted by their last
-    sampled position (cut after it, the micro-batches pad little: the same sum of gradients).
+def micro_batch_rows(batch: PolicyBatch, size: int, prompt_lens: Sequence[int] | None = None) -> list[torch.Tensor]:
+    """The rows [n] of each micro-batch of `size` rows of `batch`, sorted by their last sampled position
+    (cut after it, the micro-batches pad little: the same sum of gradients as in any order).
     `prompt_lens` [N]: the rows of one prompt (its first `prompt_lens` tokens) apart from the others, each
     prompt's sorted by length, so that a micro-batch's rows share their whole prompt."""
     device = batch.target_mask.device
-    if not by_length:
-        return [torch.arange(s, min(s + size, len(batch)), device=device) for s in range(0, len(batch), size)]
     positions = torch.arange(batch.target_mask.shape[1], device=device)
     ends = (batch.target_mask * positions).amax(dim=1)  # [N] last sampled position (0 if none)
     order = torch.sort(ends, stable=True).indices

@@ -84,10 +84,23 @@ LEGACY_WARMUP_KEYS = {"copy_warmup_content": "content", "copy_warmup_steps": "st
                       "copy_warmup_batch_size": "batch_size"}
 
 
+# switches of the paths before the speed work, removed in issue 19 (their settings, always on, are kept in
+# older configs and run directories); the paths before are compared in bench/behaviour_vs_rev.py
+REMOVED_SWITCHES = {"rollout": ("shared_prefix_attention", "share_group_prompt", "compact_finished_rows"),
+                    "grpo": ("sort_micro_batches", "prefix_once")}
+
+
 def migrate_legacy_keys(raw: dict[str, Any]) -> None:
     """Rewrite keys of older configs and checkpoints in place: the single copy warm-up phase
     `sft.copy_warmup_{content,steps,batch_size}` (defaults first_call, 0, 64) is now one item of
-    `sft.copy_warmup`; `supervision.prs.judge: deterministic | module:callable` is now a mapping."""
+    `sft.copy_warmup`; `supervision.prs.judge: deterministic | module:callable` is now a mapping; the removed
+    speed switches go where they are on (what every run had), and refuse to be turned off."""
+    for section, keys in REMOVED_SWITCHES.items():
+        node = raw.get(section)
+        for key in keys if isinstance(node, dict) else ():
+            if key in node and node.pop(key) is not True:
+                raise ConfigError(f"{section}.{key}: the switch is gone (issue 19), its speed-up always on; the "
+                                  "path before it runs at revision b6b1319 (bench/behaviour_vs_rev.py --rev)")
     prs = (raw.get("supervision") or {}).get("prs") if isinstance(raw.get("supervision"), dict) else None
     if isinstance(prs, dict) and isinstance(prs.get("judge"), str):
         spec = prs["judge"]

@@ -196,17 +196,6 @@ class RolloutConfig(Checked):
     # The <|im_end|> closing a call turn: `template` appends it after a sampled </tool_call>, untrained;
     # `sampled`: the policy writes it (Qwen2.5's format, the paper's) and is trained on it.
     call_end: CallEnd = "template"
-    # The prefix every prompt of a batch shares (the system prompt) kept once and attended to once per
-    # decoding step for all rows (cascade attention, attention.py); False: a copy per row (the path before)
-    shared_prefix_attention: bool = True
-    # With it, the G rollouts of a prompt also keep one copy of the prompt's rest past that prefix (BFCL: each
-    # task's own 2-5 k-token system prompt) when it averages >= 256 tokens (rollout.MIN_GROUP_SHARED); False:
-    # a copy per row
-    share_group_prompt: bool = True
-    # Rows whose turn has ended leave the decoding batch until the turn ends (False: they decode pads in
-    # lock-step, 40 % of the row-steps in the study config). The same episodes, greedy or sampled (each
-    # sequence draws from its own random stream).
-    compact_finished_rows: bool = True
 
 
 @dataclass(frozen=True)
@@ -237,18 +226,9 @@ class GRPOConfig(Checked):
     # No optimizer step when every group's rewards are equal (all advantages 0): otherwise Adam's momentum
     # keeps moving the weights along old gradients with nothing to correct them (LOG 2026-12-03).
     skip_uninformative_steps: bool = False
-    micro_batch_size: Count = 16  # sequences per forward/backward (gradient accumulation)
-    # Rows sorted by length into micro-batches, each cut to its longest row: the same gradient (summed in
-    # another order) with less padding (57 % of the rollout part was padding in the study config). False: in
-    # rollout order, padded to the batch's longest row (the path before; for benchmarks).
-    sort_micro_batches: bool = True
-    # The prefix every row shares (the system prompt) run once for all micro-batches of an update, its keys'
-    # and values' gradients summed before one backward through it (exact in float32; in bfloat16 the sum is
-    # rounded once more, as accurate against float32). False: once per micro-batch (the path before). With it
-    # and sort_micro_batches, where the prompts run >= 256 tokens past that prefix on average (BFCL: each task
-    # its own system prompt), micro-batches are cut by prompt instead, each running its rows' prompt once
-    # (rl.update_plan).
-    prefix_once: bool = True
+    # sequences per forward/backward (gradient accumulation); sorted by length, each cut to its longest row,
+    # the batch's shared prefix run once (update.update_plan)
+    micro_batch_size: Count = 16
     format_reward: NonNegative = 0.0  # optional shaping: + format_reward * share of healthy turns
     # optional shaping (rewards.py): a failed episode scores partial_credit * the share of the ground-truth
     # calls it made in order; the paper's reward is binary (0)
