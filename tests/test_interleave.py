@@ -159,7 +159,7 @@ def test_the_correction_example_trains_the_reference_from_the_mistaken_turn_only
     failure = judged(Failure(0, task.id), task, episode, deterministic_judge, engine.decode)
     assert (failure.turn, failure.mistake) == (1, "miscopied_argument")
     encoder = PieceEncoder(tokenizer)
-    ids, mask = correction_example(encoder, task, failure, "template")
+    ids, mask = correction_example(encoder, task, failure)
     assert ids[:len(episode.tokens)] == episode.tokens  # the failed prefix as sampled ...
     assert not any(mask[:len(episode.tokens)])  # ... and not trained
     text = tokenizer.decode(ids)
@@ -191,7 +191,7 @@ def test_a_correction_mid_episode_keeps_the_observation_the_policy_saw(tokenizer
     assert failure.turn == 1 and failure.closed
     reply = tokenizer.decode(failure.prefix[episode.turns[1].end:])
     assert reply.startswith("<|im_end|>") and episode.turns[1].observation in reply and reply.endswith("<|im_end|>\n")
-    ids, mask = correction_example(encoder, task, failure, "template")
+    ids, mask = correction_example(encoder, task, failure)
     assert ids[:len(failure.prefix)] == failure.prefix and not any(mask[:len(failure.prefix)])
     assert tokenizer.decode(ids[len(failure.prefix):]).startswith("<|im_start|>user\nReview of your attempt: Turn 2")
 
@@ -199,7 +199,7 @@ def test_a_correction_mid_episode_keeps_the_observation_the_policy_saw(tokenizer
 def test_the_reflection_example_trains_the_reflection_only(tokenizer, miscopied):
     task, episode, engine = miscopied
     failure = judged(Failure(0, task.id), task, episode, deterministic_judge, engine.decode)
-    ids, mask = reflection_example(PieceEncoder(tokenizer), failure, "template")
+    ids, mask = reflection_example(PieceEncoder(tokenizer), failure)
     trained = tokenizer.decode([i for i, m in zip(ids, mask) if m])
     assert trained == failure.reflection + "<|im_end|>"
     assert "Reference turns:" in tokenizer.decode(ids)

@@ -124,12 +124,11 @@ def test_the_probe_prefix_run_once_equals_a_plain_forward_of_every_row(world, to
 def test_a_trained_call_end_has_its_own_slot_and_series(world, tokenizer):
     """rollout.call_end: sampled trains the <|im_end|> after </tool_call>: slot call_turn_end,
     series probe/im_end/miss_after_call; with the template default there is no such position."""
-    enc = PieceEncoder(tokenizer)
     ids = resolve_token_ids(tokenizer, CONTROL_TAGS)
     task = world.tasks("train")[0]
     n_calls = sum(m.tool_call is not None for m in task.reference)
     for call_end, expected in (("template", 0), ("sampled", n_calls)):
-        [example] = encode_tasks(enc, [task], call_end)
+        [example] = encode_tasks(PieceEncoder(tokenizer, call_end), [task])
         probe = build_probe([example], tokenizer.pad_token_id, ids)
         assert int((probe.slot_of == Slot.CALL_TURN_END).sum()) == expected
     logp = _logp([{END: 0.9}, {END: 0.4}])

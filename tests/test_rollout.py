@@ -165,7 +165,8 @@ def test_an_oracle_policy_rolls_out_exactly_the_sft_tokens(tiny_model, tokenizer
     script = [t for m in task.reference if m.role == "assistant" for t in encoder.encode(assistant_body(m, call_end))[0]]
     engine = RolloutEngine(Scripted(tiny_model, script), tokenizer, world, call_end)
     [ep] = engine.generate([task], SamplingParams(max_turns=10, max_new_tokens=96, greedy=True))
-    ids, mask = encoder.encode_conversation(list(task.prompt) + list(task.reference), call_end)
+    ids, mask = engine.encoder.encode_conversation(list(task.prompt) + list(task.reference))
+    assert engine.call_end == engine.encoder.call_end == call_end
     assert ep.tokens == ids[:len(ep.tokens)] and len(ids) - len(ep.tokens) == 1  # all but the final "\n"
     assert ep.loss_mask == mask[:len(ep.tokens)]
     assert ep.finish == "answered" and ep.success and all(t.parsed.state.healthy for t in ep.turns)

@@ -524,7 +524,7 @@ def test_ets_and_prs_phases_through_trl_train_on_the_examples_rl_builds_from_the
         failures = [judged(f, t, e, deterministic_judge, decode, len(encoder.encode(generation_prompt())[0]))
                     for f, t, e in zip(failures, tasks, episodes)]
         assert [(f.turn, f.mistake) for f in failures] == [(0, "miscopied_argument")] * 2
-    examples, stats = phase_examples(failures, {t.id: t for t in tasks}, encoder, "template", prs_target, 2048)
+    examples, stats = phase_examples(failures, {t.id: t for t in tasks}, encoder, prs_target, 2048)
     assert len(examples) == (4 if prs_target else 2) and phase["tasks"] == 2
     assert phase["phase/prs_examples"] == stats["phase/prs_examples"] == (2 if prs_target else 0)
     (rows,) = seen

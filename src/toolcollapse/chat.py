@@ -141,11 +141,15 @@ class PieceEncoder:
     system prompt becomes its control token, as in Qwen2.5's tool prompt), except
     `literal` pieces -- tool output -- where special-token matching is off, so a tool
     result containing "<|im_end|>" stays text and cannot inject a control token. An
-    unpaired surrogate (no character, no UTF-8 form) is encoded as U+FFFD (`valid_text`).
+    unpaired surrogate (no character, no UTF-8 form) is encoded as U+FFFD (`valid_text`). `call_end`: who
+    writes a call turn's <|im_end|> (the module's docstring), for every conversation it encodes.
     """
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, call_end: CallEnd = "template"):
+        if call_end not in ("template", "sampled"):
+            raise ValueError(f"call_end {call_end!r}: template or sampled")
         self.tokenizer = tokenizer
+        self.call_end = call_end
         vocab = tokenizer.get_vocab()  # not `== unk_token_id`: SmolLM2's unk token is <|endoftext|> itself
         missing = [t for t in CONTROL_TAGS if t not in vocab]
         self.special_ids = {t: vocab.get(t) for t in CONTROL_TAGS}
@@ -184,5 +188,5 @@ class PieceEncoder:
             mask += [int(p.trainable)] * len(piece_ids)
         return ids, mask
 
-    def encode_conversation(self, messages: Sequence[Message], call_end: CallEnd = "template") -> tuple[list[int], list[int]]:
-        return self.encode(conversation_pieces(messages, call_end=call_end))
+    def encode_conversation(self, messages: Sequence[Message]) -> tuple[list[int], list[int]]:
+        return self.encode(conversation_pieces(messages, call_end=self.call_end))

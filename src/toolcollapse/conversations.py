@@ -84,10 +84,10 @@ def conversation_probe(conversations: Sequence[Sequence[Message]], tokenizer: An
     """The probe set of the first `monitor.probe_size` conversations, with content labels (tool names,
     argument values copied or computed, answers), as `rl` builds it from the tool world's oracle."""
     size = (monitor or MonitorConfig()).probe_size
-    encoder = PieceEncoder(tokenizer)
+    encoder = PieceEncoder(tokenizer, call_end)
     chosen = [list(c) for c in conversations[:size]]
-    examples = [encoder.encode_conversation(c, call_end) for c in chosen]
-    content = [content_labels(encoder, c, call_end) for c in chosen]
+    examples = [encoder.encode_conversation(c) for c in chosen]
+    content = [content_labels(encoder, c) for c in chosen]
     return build_probe(examples, tokenizer.pad_token_id, resolve_token_ids(tokenizer, CONTROL_TAGS), content)
 
 

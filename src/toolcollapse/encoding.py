@@ -16,36 +16,34 @@ import torch
 
 from toolcollapse.chat import PieceEncoder
 from toolcollapse.model import device_of, logits_at, shared_prefix_len
-from toolcollapse.records import CallEnd, Task
+from toolcollapse.records import Task
 
 Example = tuple[list[int], list[int]]  # (token ids, trainable mask)
 
 
-def encode_tasks(encoder: PieceEncoder, tasks: Sequence[Task], call_end: CallEnd = "template") -> list[Example]:
-    return [encoder.encode_conversation(list(t.prompt) + list(t.reference), call_end) for t in tasks]
+def encode_tasks(encoder: PieceEncoder, tasks: Sequence[Task]) -> list[Example]:
+    return [encoder.encode_conversation(list(t.prompt) + list(t.reference)) for t in tasks]
 
 
-def encode_first_calls(encoder: PieceEncoder, tasks: Sequence[Task], call_end: CallEnd = "template") -> list[Example]:
+def encode_first_calls(encoder: PieceEncoder, tasks: Sequence[Task]) -> list[Example]:
     """The copy warm-up's examples: each task's user question and first assistant turn, no system prompt."""
-    return [encoder.encode_conversation([t.prompt[-1], t.reference[0]], call_end) for t in tasks]
+    return [encoder.encode_conversation([t.prompt[-1], t.reference[0]]) for t in tasks]
 
 
-def encode_without_system_prompt(encoder: PieceEncoder, tasks: Sequence[Task],
-                                 call_end: CallEnd = "template") -> list[Example]:
+def encode_without_system_prompt(encoder: PieceEncoder, tasks: Sequence[Task]) -> list[Example]:
     """Whole conversations minus the system prompt: names *and* numbers to copy, in ~1/4 of the tokens."""
-    return [encoder.encode_conversation([t.prompt[-1], *t.reference], call_end) for t in tasks]
+    return [encoder.encode_conversation([t.prompt[-1], *t.reference]) for t in tasks]
 
 
-def warmup_examples(encoder: PieceEncoder, tasks: Sequence[Task], content: str,
-                    call_end: CallEnd = "template") -> list[Example]:
+def warmup_examples(encoder: PieceEncoder, tasks: Sequence[Task], content: str) -> list[Example]:
     """The copy warm-up's data: first calls, whole conversations without the system prompt, or half of each."""
     if content == "first_call":
-        return encode_first_calls(encoder, tasks, call_end)
+        return encode_first_calls(encoder, tasks)
     if content == "no_system_prompt":
-        return encode_without_system_prompt(encoder, tasks, call_end)
+        return encode_without_system_prompt(encoder, tasks)
     half = len(tasks) // 2
-    return (encode_first_calls(encoder, tasks[:half], call_end)
-            + encode_without_system_prompt(encoder, tasks[half:], call_end))
+    return (encode_first_calls(encoder, tasks[:half])
+            + encode_without_system_prompt(encoder, tasks[half:]))
 
 
 def collate(examples: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

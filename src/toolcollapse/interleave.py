@@ -50,7 +50,7 @@ from tqdm.auto import tqdm
 from toolcollapse.chat import IM_END, Piece, PieceEncoder, conversation_pieces, tag
 from toolcollapse.judge import Judge, Verdict, judge_all, judge_messages
 from toolcollapse.optim import make_optimizer
-from toolcollapse.records import CallEnd, Episode, Message, Task
+from toolcollapse.records import Episode, Message, Task
 from toolcollapse.runtime import append_jsonl, read_jsonl
 from toolcollapse.encoding import Example, encode_tasks
 from toolcollapse.supervision import SFTTerm
@@ -134,7 +134,7 @@ def latest_per_task(failures: Sequence[Failure], first_step: int = 0) -> list[Fa
 # ----------------------------------------------------------------------------- a phase's examples
 
 
-def correction_example(encoder: PieceEncoder, task: Task, failure: Failure, call_end: CallEnd) -> Example:
+def correction_example(encoder: PieceEncoder, task: Task, failure: Failure) -> Example:
     """The failed prefix as sampled (closed as the template closes a turn), the reflection as a user turn,
     then the reference from the mistaken turn on; only the continuation's assistant tokens are trained.
     An episode that stopped after correct turns gets the reference's reply to its last one first."""
@@ -152,29 +152,29 @@ def correction_example(encoder: PieceEncoder, task: Task, failure: Failure, call
     between += conversation_pieces([Message("user", f"Review of your attempt: {failure.reflection}")])
     rest = list(task.reference[assistant_at[failure.resume_turn]:]) if failure.resume_turn < len(assistant_at) else []
     ids, _ = encoder.encode(between)
-    rest_ids, rest_mask = encoder.encode(conversation_pieces(rest, call_end=call_end))
+    rest_ids, rest_mask = encoder.encode(conversation_pieces(rest, call_end=encoder.call_end))
     return prefix + ids + rest_ids, [0] * (len(prefix) + len(ids)) + rest_mask
 
 
-def reflection_example(encoder: PieceEncoder, failure: Failure, call_end: CallEnd) -> Example:
+def reflection_example(encoder: PieceEncoder, failure: Failure) -> Example:
     """(the judge's prompt -> its reflection): the policy learns to write the reflection."""
     messages = [Message(m["role"], m["content"]) for m in failure.judge_prompt or []]
-    return encoder.encode_conversation(messages + [Message("assistant", failure.reflection)], call_end)
+    return encoder.encode_conversation(messages + [Message("assistant", failure.reflection)])
 
 
-def phase_examples(failures: Sequence[Failure], tasks: dict[str, Task], encoder: PieceEncoder, call_end: CallEnd,
+def phase_examples(failures: Sequence[Failure], tasks: dict[str, Task], encoder: PieceEncoder,
                    prs_target: str | None, max_len: int) -> tuple[list[Example], dict[str, float]]:
     """ETS's examples (each failed task's ground truth) and, with `prs_target`, PRS's (one per judged
     failure); examples longer than the model's context are left out and counted."""
     chosen = [tasks[f.task_id] for f in failures]
-    examples = encode_tasks(encoder, chosen, call_end)
+    examples = encode_tasks(encoder, chosen)
     n_prs = 0
     if prs_target is not None:
         for f in failures:
             if f.turn is None:
                 continue
-            examples.append(correction_example(encoder, tasks[f.task_id], f, call_end) if prs_target == "correction"
-                            else reflection_example(encoder, f, call_end))
+            examples.append(correction_example(encoder, tasks[f.task_id], f) if prs_target == "correction"
+                            else reflection_example(encoder, f))
             n_prs += 1
     kept = [e for e in examples if len(e[0]) <= max_len]
     return kept, {"phase/tasks": float(len(chosen)), "phase/prs_examples": float(n_prs),
@@ -250,7 +250,7 @@ class PhaseRunner:
         """An SFT phase after `step` on `failures`' tasks; logged to phases.jsonl, returned as metrics."""
         s, c = self.cfg.supervision, self.cfg
         t0 = time.time()
-        examples, stats = phase_examples(failures, self.tasks, self.encoder, c.rollout.call_end,
+        examples, stats = phase_examples(failures, self.tasks, self.encoder,
                                          s.prs.target if s.prs.enabled else None, c.model.max_seq_len)
         stats.update(sft_phase(self.model, examples, s.phase, c.grpo.micro_batch_size,
                                self.encoder.tokenizer.pad_token_id, seed=c.seed * 1_000_003 + step))

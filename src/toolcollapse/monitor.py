@@ -177,7 +177,7 @@ NO_CONTENT = -1  # structure: tags, JSON punctuation and keys, the <|im_end|>
 CONTENT_NAMES = {c: c.name.lower() for c in Content}
 
 
-def content_labels(encoder: Any, messages: Sequence[Any], call_end: str = "template") -> list[int]:
+def content_labels(encoder: Any, messages: Sequence[Any]) -> list[int]:
     """The Content of every trained target of one oracle conversation (NO_CONTENT where none), in the
     order of `slots`. A value counts as copied when its text occurs in what the model was given before
     the turn: the user's questions and the tool results (not the system prompt, not its own calls)."""
@@ -188,7 +188,7 @@ def content_labels(encoder: Any, messages: Sequence[Any], call_end: str = "templ
             context += "" if message.role == "system" else message.content + "\n"
             continue
         call_text = "\n" + message.tool_call.to_json() + "\n" if message.tool_call is not None else None
-        for piece in assistant_body(message, call_end):
+        for piece in assistant_body(message, encoder.call_end):
             ids, mask = encoder.encode([piece])
             if not any(mask):
                 continue
@@ -396,9 +396,9 @@ def probe_for(cfg: RunConfig, env: Any, tokenizer: Any) -> tuple[ProbeSet | None
     if m.probe_every <= 0 or m.probe_size <= 0:
         return None, token_ids
     tasks = env.tasks(cfg.grpo.split)[:m.probe_size]
-    encoder = PieceEncoder(tokenizer)
-    examples = encode_tasks(encoder, tasks, cfg.rollout.call_end)
-    content = [content_labels(encoder, [*t.prompt, *t.reference], cfg.rollout.call_end) for t in tasks]
+    encoder = PieceEncoder(tokenizer, cfg.rollout.call_end)
+    examples = encode_tasks(encoder, tasks)
+    content = [content_labels(encoder, [*t.prompt, *t.reference]) for t in tasks]
     return build_probe(examples, tokenizer.pad_token_id, resolve_token_ids(tokenizer, CONTROL_TAGS), content), token_ids
 
 

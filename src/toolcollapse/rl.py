@@ -432,12 +432,12 @@ def run_sft_only(cfg: RunConfig, run_dir: Path, resume: bool) -> Path:
     clear_run_dir(run_dir, "rl")
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_config(cfg, run_dir / RUN_CONFIG)
-    encoder = PieceEncoder(tokenizer)
+    encoder = PieceEncoder(tokenizer, cfg.rollout.call_end)
     examples, tokens = [], 0
     for task in task_order(make_env(cfg).tasks(g.split, g.pool_size), cfg.seed):  # one epoch's tokens x epochs reach the target
         if tokens * s.phase.epochs >= target:
             break
-        example = encode_tasks(encoder, [task], cfg.rollout.call_end)[0]
+        example = encode_tasks(encoder, [task])[0]
         if len(example[0]) > cfg.model.max_seq_len:
             continue
         examples.append(example)

@@ -163,14 +163,13 @@ class RolloutEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.env = env
-        self.call_end = call_end  # who writes a call turn's <|im_end|> (chat.py)
         # a prompt's G rows read one copy of its rest past the batch's prefix where the rests average this
         # many tokens (tests lower it to reach that path with the tool world's short questions)
         self.min_group_shared = MIN_GROUP_SHARED
         # decoding steps of Llama models skip Hugging Face's wrappers (`lean_decode`); False: model(...), the
         # numbers lean_decode must equal to the last bit (tests and bench/gpu_check.py compare them)
         self.lean_decoding = True
-        self.encoder = PieceEncoder(tokenizer)
+        self.encoder = PieceEncoder(tokenizer, call_end)
         ids = self.encoder.special_ids
         self.stop_ids = frozenset(ids[t] for t in stop_tags(call_end))
         self.pad_id = ids[ENDOFTEXT]
@@ -178,6 +177,11 @@ class RolloutEngine:
         self.device = device_of(model)  # ids, masks and the cache live there; sampling draws on the CPU
         self.lean = False  # decoding steps through `lean_decode` (set by each `generate`)
         self.prefixes: PrefixCache | None = None  # the batches' shared prefixes, kept while the weights stay (`rl`)
+
+    @property
+    def call_end(self) -> CallEnd:
+        """Who writes a call turn's <|im_end|> (chat.py): the encoder's, which encodes every turn."""
+        return self.encoder.call_end
 
     @classmethod
     def from_config(cls, model: PreTrainedModel, tokenizer: Any, env: Environment, cfg: RolloutConfig) -> RolloutEngine:

@@ -170,14 +170,13 @@ def run_sft(cfg: RunConfig, out_dir: str | Path | None = None, overwrite: bool =
     env = make_env(cfg)
     model, tokenizer, what = sft_model(cfg, env)
     model = place(model, device, cfg.model.dtype)
-    encoder = PieceEncoder(tokenizer)
+    encoder = PieceEncoder(tokenizer, cfg.rollout.call_end)  # who writes a call turn's <|im_end|>: trained in `sampled`
     sc = cfg.sft
-    call_end = cfg.rollout.call_end  # who writes a call turn's <|im_end|>: trained in `sampled`
-    train = encode_tasks(encoder, env.tasks("train", sc.steps * sc.batch_size), call_end)
+    train = encode_tasks(encoder, env.tasks("train", sc.steps * sc.batch_size))
     if cfg.env == "toolworld" and sft_tasks_read(cfg) > cfg.world.sft_pool:
         print(f"sft: note: this recipe reads the first {sft_tasks_read(cfg)} train tasks, past world.sft_pool="
               f"{cfg.world.sft_pool}: the val and rl tasks are among them, so RL on `rl` from it is refused")
-    val = encode_tasks(encoder, validation_tasks(env, sc.val_n), call_end)
+    val = encode_tasks(encoder, validation_tasks(env, sc.val_n))
     val_kinds = [token_kinds(e, tokenizer) for e in val]
     longest = max(len(x) for x, _ in train)
     if longest > cfg.model.max_seq_len:
@@ -194,7 +193,7 @@ def run_sft(cfg: RunConfig, out_dir: str | Path | None = None, overwrite: bool =
     group = 16 if sc.group_by_length else 1
     phases = []
     for i, w in enumerate(warmups):
-        examples = warmup_examples(encoder, env.tasks("train")[:w.steps * w.batch_size], w.content, call_end)
+        examples = warmup_examples(encoder, env.tasks("train")[:w.steps * w.batch_size], w.content)
         name = "copy warm-up" + (f" {i + 1}" if len(warmups) > 1 else "")
         # "both" mixes ~50- and ~210-token examples: batch them by length so short ones are not padded
         phases.append(Phase(name, examples, w.steps, w.batch_size, 16 if w.content == "both" else group))

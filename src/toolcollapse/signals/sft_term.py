@@ -68,4 +68,4 @@ class SFTTermSignal(Signal):
         self.nll = SFTTerm(self.cfg.supervision.sft_coef, self.cfg.grpo.micro_batch_size, run.tokenizer.pad_token_id)
 
     def terms(self, step: Step) -> list[LossTerm]:
-        return [SFTTermLoss(self.nll, encode_tasks(self.encoder, step.tasks, self.cfg.rollout.call_end))]
+        return [SFTTermLoss(self.nll, encode_tasks(self.encoder, step.tasks))]

@@ -162,7 +162,7 @@ def rl_phase_data(cfg: RunConfig, tokenizer: Any, prs_target: str | None = None,
 
     if prs_target not in (None, "reflection", "correction"):
         raise ValueError(f"prs_target {prs_target!r}: None (ETS), reflection or correction")
-    world, encoder = make_env(cfg), PieceEncoder(tokenizer)
+    world, encoder = make_env(cfg), PieceEncoder(tokenizer, call_end)
     # the config's judge (supervision.prs.judge: deterministic, a chat model, a factory), asked once now
     judge = judge or (load_judge(cfg.supervision.prs.judge) if prs_target is not None else None)
     task = _task_lookup(world, cfg)
@@ -182,7 +182,7 @@ def rl_phase_data(cfg: RunConfig, tokenizer: Any, prs_target: str | None = None,
             verdicts = judge_all(judge, items, decode)  # a chat-model judge: `concurrency` calls in flight
             ours = [judged(failure, task, episode, verdict, decode, generation_prompt_len)
                     for failure, (task, episode), verdict in zip(ours, items, verdicts)]
-        examples, stats = phase_examples(ours, tasks, encoder, call_end, prs_target, max_len or cfg.model.max_seq_len)
+        examples, stats = phase_examples(ours, tasks, encoder, prs_target, max_len or cfg.model.max_seq_len)
         if hasattr(judge, "metrics"):
             stats = {**stats, **judge.metrics()}
         rows = [{"input_ids": ids, "labels": [t if m else -100 for t, m in zip(ids, mask)]} for ids, mask in examples]
