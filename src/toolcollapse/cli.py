@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from toolcollapse.config import SPLITS, ConfigError, MonitorConfig, RunConfig, load_config
+from toolcollapse.config import SPLITS, ConfigError, MonitorConfig, RunConfig, load_config, rl_start_problems
 from toolcollapse.runtime import NotTextError
 
 
@@ -167,6 +167,9 @@ def _rl_config(args: argparse.Namespace) -> tuple[RunConfig, Path]:
     if not (Path(cfg.init) / "config.json").is_file():
         raise ConfigError(f"init checkpoint not found: {cfg.init} (no config.json there)")
     run_dir = Path(args.out) if args.out else Path(cfg.out_dir) / "rl"
+    problems = rl_start_problems(cfg)  # before rundir's imports (torch, transformers: seconds)
+    if problems:
+        raise ConfigError(problems[0])
     from toolcollapse.rundir import check_run_start
 
     check_run_start(cfg, run_dir, resume=False, overwrite=args.overwrite)

@@ -12,8 +12,7 @@ from typing import Sequence
 from tqdm.auto import tqdm
 
 from toolcollapse.checkpoint import clean_partial, complete_checkpoints
-from toolcollapse.config import (ConfigError, RunConfig, checkpoint_problems, differences, load_config, pool_problems,
-                                 rl_problems)
+from toolcollapse.config import ConfigError, RunConfig, differences, load_config, rl_start_problems
 from toolcollapse.interleave import FAILURES, PHASES
 from toolcollapse.model import resolve_device
 from toolcollapse.runtime import append_jsonl, check_new_run_dir, check_writable, jsonl_lines, lock_dir
@@ -29,8 +28,7 @@ def check_run_start(cfg: RunConfig, run_dir: Path, resume: bool, overwrite: bool
     another run's directory, a resumed run given another config than its checkpoint was saved with (except the
     keys in `allow_change`)."""
     resolve_device(cfg.device)  # ConfigError for a GPU that is not there
-    problems = rl_problems(cfg)
-    problems += checkpoint_problems(cfg, cfg.init) + pool_problems(cfg, cfg.init) if cfg.init else []
+    problems = rl_start_problems(cfg)
     if problems:
         raise ConfigError(problems[0])
     lock_dir(run_dir, "rl run")

@@ -19,7 +19,8 @@ The package: schema.py (the sections), files.py (YAML in and out, overrides,
 differences), checks.py; everything is imported from here.
 """
 
-from toolcollapse.config.checks import checkpoint_problems, pool_problems, rl_problems, sft_tasks_read
+from toolcollapse.config.checks import (checkpoint_problems, pool_problems, rl_problems, rl_start_problems,
+                                        sft_tasks_read)
 from toolcollapse.config.files import (RESULT_NEUTRAL, apply_override, deep_merge, differences, dump_config,
                                        first_difference, from_dict, load_config, migrate_legacy_keys, read_yaml,
                                        to_dict)
@@ -36,5 +37,5 @@ __all__ = ["Split", "SPLITS", "ConfigError", "Range", "Count", "NonNegInt", "Pos
            "HBGConfig", "PhaseConfig", "ETSConfig", "PRSConfig", "AdaptiveConfig", "SFTOnlyConfig",
            "SupervisionConfig", "MonitorConfig", "EvalConfig", "RunConfig", "RESULT_NEUTRAL", "apply_override",
            "checkpoint_problems", "deep_merge", "differences", "dump_config", "first_difference", "from_dict",
-           "load_config", "migrate_legacy_keys", "pool_problems", "read_yaml", "rl_problems", "sft_tasks_read",
+           "load_config", "migrate_legacy_keys", "pool_problems", "read_yaml", "rl_problems", "rl_start_problems", "sft_tasks_read",
            "to_dict"]

@@ -74,3 +74,9 @@ def checkpoint_problems(cfg: RunConfig, checkpoint: str | Path) -> list[str]:
         return []
     return [f"rollout.call_end: {cfg.rollout.call_end!r} here, but {checkpoint} was trained with {call_end!r}: "
             f"the policy would not know where its call turns end"]
+
+
+def rl_start_problems(cfg: RunConfig) -> list[str]:
+    """What stops an RL run from its config alone (the config, and the checkpoint it starts from): checked
+    before anything heavy is imported, so a refused config answers at once."""
+    return rl_problems(cfg) + (checkpoint_problems(cfg, cfg.init) + pool_problems(cfg, cfg.init) if cfg.init else [])
