@@ -354,6 +354,7 @@ def test_backend_precision_settings_do_not_leak():
 # ---------------------------------------------------------------- parity with BFCL
 
 
+@pytest.mark.slow
 def test_every_ground_truth_trajectory_replays_healthy_and_succeeds(env):
     tasks = env.tasks("train") + env.tasks("test")
     result = replay_references(env, tasks, "all")

@@ -59,6 +59,7 @@ def _fake_rl_run(path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_rl_refuses_a_directory_that_holds_another_run(tmp_path, tiny_checkpoint):
     run = _fake_rl_run(tmp_path / "run")
     before = tree(run)
@@ -110,6 +111,7 @@ def _corrupt(checkpoint: Path, tmp_path: Path, how: str) -> Path:
     ("bad_header", ["model.safetensors", "header"]),
     ("nan_weights", ["non-finite", "unusable"]),
 ])
+@pytest.mark.slow
 def test_a_corrupt_checkpoint_is_named_with_its_fault(tmp_path, tiny_checkpoint, how, names):
     bad = _corrupt(tiny_checkpoint, tmp_path, how)
     before = tree(bad)
@@ -121,6 +123,7 @@ def test_a_corrupt_checkpoint_is_named_with_its_fault(tmp_path, tiny_checkpoint,
         assert not out.exists()
 
 
+@pytest.mark.slow
 def test_a_corrupt_optimizer_state_stops_resume_with_its_file_named(tmp_path, tiny_checkpoint):
     run = tmp_path / "run"
     step = run / "checkpoints" / "step_000002"
@@ -144,6 +147,7 @@ def test_python_dash_m_toolcollapse_is_the_command():
     assert proc.returncode == 0 and "sft" in proc.stdout and "diagnose" in proc.stdout
 
 
+@pytest.mark.slow
 def test_overwrite_replaces_only_a_run_of_its_own_kind(tmp_path, tiny_checkpoint):
     """A folder that merely has a config.yaml is no run (`--out . --overwrite` must not wipe a working
     tree), and an SFT checkpoint is not an RL run."""
@@ -161,6 +165,7 @@ def test_overwrite_replaces_only_a_run_of_its_own_kind(tmp_path, tiny_checkpoint
         assert tree(folder) == before
 
 
+@pytest.mark.slow
 def test_a_checkpoint_trained_with_another_call_end_is_refused(tmp_path, tiny_checkpoint):
     trained = tmp_path / "sampled"
     trained.mkdir()
@@ -174,6 +179,7 @@ def test_a_checkpoint_trained_with_another_call_end_is_refused(tmp_path, tiny_ch
     assert tree(trained) == before and not (tmp_path / "rl").exists()
 
 
+@pytest.mark.slow
 def test_a_sweep_refuses_to_resume_runs_under_a_changed_config(tmp_path, tiny_checkpoint):
     import yaml
 
@@ -194,6 +200,7 @@ def test_a_sweep_refuses_to_resume_runs_under_a_changed_config(tmp_path, tiny_ch
     assert tree(tmp_path / "study") == before
 
 
+@pytest.mark.slow
 def test_sweep_only_names_settings_of_the_file(tmp_path, tiny_checkpoint):
     import yaml
 

@@ -91,6 +91,7 @@ def _tokenizer_without_tags(path):
     return path
 
 
+@pytest.mark.slow
 def test_toolcollapse_probe_reads_the_shipped_conversations_with_a_tokenizer_that_lacks_the_tags(tmp_path):
     tok = _tokenizer_without_tags(tmp_path / "tok")
     proc = subprocess.run([sys.executable, "-m", "toolcollapse", "probe", str(SHIPPED), "--tokenizer", str(tok)],

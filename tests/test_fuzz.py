@@ -71,6 +71,7 @@ WORLD_ARGS = ["operation", "a", "b", "entity", "attribute", "value", "from_unit"
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
+@pytest.mark.slow
 @given(data=st.data())
 def test_tool_world_turns_survive_end_to_end(world_env, encoder, tokenizer, tmp_path, data):
     names = list(world_env.tool_table)

@@ -315,6 +315,7 @@ def test_a_prs_run_with_smollm2_as_a_local_hf_judge(tmp_path, tiny_checkpoint):
     assert phase["phase/tokens"] > 0 and phase["phase/steps"] >= 1
 
 
+@pytest.mark.slow
 def test_rl_with_an_unreachable_judge_exits_2_before_writing_anything(tmp_path, tiny_checkpoint):
     import subprocess
     import sys

@@ -1,5 +1,6 @@
 """What a newcomer meets first: the README's commands, CI running them, tests of optional extras."""
 
+import pytest
 import re
 import subprocess
 import sys
@@ -22,6 +23,7 @@ def test_the_readme_starts_with_two_commands_and_ci_runs_the_second_verbatim():
     assert f'README_TEST_COMMAND="{install_and_test}"' in ci and 'bash -c "$README_TEST_COMMAND"' in ci
 
 
+@pytest.mark.slow
 def test_tests_of_a_missing_extra_are_skipped_with_a_reason_not_collection_errors():
     """Collect the suite as if none of the optional packages were installed."""
     blocked = "; ".join(f"sys.modules[{m!r}] = None" for m in OPTIONAL)  # `import m` then raises ImportError

@@ -114,6 +114,7 @@ def _mutate(rng: random.Random, text: str) -> str:
     return "".join(chars)
 
 
+@pytest.mark.slow
 def test_mutation_fuzz_never_raises(world, tools):
     """20 000 mutations of real (oracle) turns through the unguarded parser."""
     rng = random.Random(0)
@@ -134,6 +135,7 @@ ALPHABET = st.sampled_from(list(CONTROL_TAGS) + list('{}[]":, \n\\abc0123456789.
                            ['"name"', '"arguments"', "kb_lookup", "\x00", "é"])
 
 
+@pytest.mark.slow
 @settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(ALPHABET, max_size=200).map("".join))
 def test_hypothesis_text_never_raises(text):
@@ -141,6 +143,7 @@ def test_hypothesis_text_never_raises(text):
     assert parsed.state in S
 
 
+@pytest.mark.slow
 @settings(max_examples=2000, deadline=None)
 @given(st.lists(st.integers(min_value=0, max_value=511), max_size=300))
 def test_hypothesis_token_ids_never_raise(tokenizer, ids):

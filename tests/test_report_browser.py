@@ -24,6 +24,7 @@ def _browser():
     return webdriver.Chrome(service=Service(DRIVER), options=options)
 
 
+@pytest.mark.slow
 def test_the_html_report_renders_in_chromium(tmp_path):
     from toolcollapse.report import write_report
 

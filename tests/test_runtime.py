@@ -61,11 +61,13 @@ def _diagnose(run):
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_diagnose_on_a_binary_log_exits_2_with_a_message(tmp_path):
     proc = _diagnose(_run_dir(tmp_path, bytes(range(256)) * 8))
     assert proc.returncode == 2 and "not a JSON-lines text file" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_diagnose_skips_a_line_nested_past_the_recursion_limit(tmp_path):
     rows = [{"step": s, "healthy_rate": 0.9, "reward_mean": 0.1, "frac_groups_informative": 0.5} for s in range(3)]
     text = "".join(json.dumps(r) + "\n" for r in rows[:2]) + "[" * 200_000 + "\n" + json.dumps(rows[2]) + "\n"
@@ -82,6 +84,7 @@ def test_a_checkpoint_without_tokenizer_files_names_them(tmp_path):
         load_tokenizer(tmp_path)
 
 
+@pytest.mark.slow
 def test_eval_of_a_checkpoint_without_its_tokenizer_exits_2_naming_the_files(tmp_path, tiny_model):
     tiny_model.save_pretrained(tmp_path / "ckpt")  # weights and config, no tokenizer files
     proc = subprocess.run([sys.executable, "-m", "toolcollapse.cli", "eval", str(tmp_path / "ckpt"), "--n", "1"],

@@ -72,6 +72,7 @@ def test_stateless_sessions_keep_no_calls_and_come_back_after_a_restart(sandbox)
     assert sandbox.call(s, h.contents).value == []  # rebuilt fresh (its state never mattered)
 
 
+@pytest.mark.slow
 def test_a_replayed_call_gets_the_limit_it_ran_under(sandbox):
     """A call allowed 3 s (BFCL's success check gets a longer limit) is replayed with twice that,
     not the default 1 s: the restart must not lose the session."""
@@ -209,6 +210,7 @@ def test_a_stopped_bfcl_call_changes_nothing_and_the_check_does_not_run_it_again
     assert not state.extra["bfcl"].verdict.error_type.startswith("toolcollapse")  # BFCL's own verdict
 
 
+@pytest.mark.slow
 def test_the_tool_loop_ends_when_its_parent_is_gone_though_the_socket_stays_open():
     """Where no PR_SET_PDEATHSIG ends the child and another process keeps the socket open (no EOF), the loop
     itself sees the parent gone (its pid no longer the parent's) within a second or two; while the parent

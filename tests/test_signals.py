@@ -3,6 +3,7 @@ signal is one class plus one registry line -- shown by a toy signal that lives o
 "Where to add"); tests/test_trl_signals.py runs it through TRL's trainer."""
 
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from test_rl import _metrics, _rl_config
@@ -62,6 +63,7 @@ class Toy(Signal):
         return {"toy/turns": float(sum(len(ep.turns) for ep in step.episodes))}
 
 
+@pytest.mark.slow
 def test_a_toy_signal_is_one_class_and_one_registry_line(tmp_path, answering_checkpoint, monkeypatch):
     """The loop calls the toy's hooks without knowing its name: its metrics land in metrics.jsonl, and its term
     moves the weights away from a run without it (the same seed, so the same first rollouts)."""

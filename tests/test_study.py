@@ -93,6 +93,7 @@ def test_a_study_runs_every_stage_and_a_second_call_redoes_nothing(tmp_path):
     assert plan_study(path, [f"out_dir={tmp_path / 'fresh'}"]).sft is not None
 
 
+@pytest.mark.slow
 def test_a_bad_study_file_exits_2_before_any_work(tmp_path):
     path = _study(tmp_path)
     raw = yaml.safe_load(path.read_text())

@@ -156,6 +156,7 @@ def test_a_match_written_as_a_relative_path_is_the_same_run(tmp_path):
     assert run_after(specs) == {out / "only" / f"seed{k}": out / "ets" / f"seed{k}" for k in (0, 1)}
 
 
+@pytest.mark.slow
 def test_a_worker_killed_outright_stops_the_sweep_instead_of_hanging(tmp_path, monkeypatch):
     """The OOM killer sends SIGKILL: no exception reaches a multiprocessing.Pool callback, and a sweep
     waiting on one would wait forever; the executor's broken pool raises."""

@@ -408,6 +408,7 @@ def _tool_world_args(tmp_path, **kwargs):
                       report_to="none", save_strategy="no", shuffle_dataset=False, **{**settings, **kwargs})
 
 
+@pytest.mark.slow
 def test_trl_s_tool_loop_in_our_chat_format_builds_token_for_token_the_episodes_our_engine_builds(
         tmp_path, tiny_checkpoint):
     """TRL's own tool loop (parse, run the environment's tool, append the reply) on a toolcollapse model in
@@ -822,6 +823,7 @@ def test_engine_rollouts_refuses_a_training_set_with_rows_it_does_not_know_befor
     assert generated == [4]  # the first batch's own rows were all known: the check was on the whole dataset
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", ["supervision.adaptive.enabled=true", "supervision.hbg.enabled=true"])
 def test_the_trl_example_refuses_a_signal_it_cannot_run_before_loading_the_model(tmp_path, setting):
     """The config's supervision is honoured or refused: the adaptive schedule runs in `toolcollapse rl` only,
