@@ -1,6 +1,6 @@
 """RL steps of the study configuration: the code of a git revision vs the working tree, side by side.
 
-`bench/rl_step.py` compares the two paths as flags of today's code, on identical rollouts; but what changed
+`bench/rl_step.py` once compared the two paths as flags of one code (removed in issue 19); but what changed
 since issue 14 was filed without a flag (each sequence's own random stream drawn by inverting the CDF instead
 of `torch.multinomial`, the probe's reductions, micro-batches of 4 in `configs/tiny_rl.yaml`) speeds up its
 old side too. This runs the code of `--rev` itself (default 25cd5cc, the last commit before issue 14's first
