@@ -17,7 +17,7 @@ and checks that both sides wrote the same tokens.
     python bench/group_share.py --update --tasks 2 --group-size 4 --max-new-tokens 16   # the update's side
 
 `--update`: on the same rollouts, the reference pass and one GRPO update (`update.update_plan`) with
-micro-batches by prompt, each running its rows' prompt once, vs the batch's 213-token prefix once and
+micro-batches by prompt, each running its rows' prompt once (`grpo.by_prompt_min_tokens`), vs the batch's 213-token prefix once and
 micro-batches by length (each row its own copy of the rest of its prompt); the gradients are compared.
     python bench/group_share.py --device cuda --dtype bfloat16 --tasks 12 --group-size 8   # on a GPU
 
@@ -147,14 +147,13 @@ def update_side(model, tokenizer, env, tasks, params, group_size: int, rounds: i
     episodes = RolloutEngine(model, tokenizer, env).generate(tasks, params, group_size=group_size, seed=0)
     advantages = torch.linspace(-1, 1, len(episodes))
     batch = update.build_batch(episodes, advantages, tokenizer.pad_token_id, update.device_of(model))
-    g = GRPOConfig(micro_batch_size=group_size, grad_clip=1e9)
-    threshold = update.MIN_GROUP_SHARED
+    sides = {"by prompt": GRPOConfig(micro_batch_size=group_size, grad_clip=1e9),
+             "by length": GRPOConfig(micro_batch_size=group_size, grad_clip=1e9, by_prompt_min_tokens=10 ** 9)}
     seconds: dict[str, list[float]] = defaultdict(list)
     grads = {}
     for r in range(rounds):
-        for by_prompt in ((True, False) if r % 2 == 0 else (False, True)):
-            update.MIN_GROUP_SHARED = threshold if by_prompt else 10 ** 9
-            side = "by prompt" if by_prompt else "by length"
+        for side in (("by prompt", "by length") if r % 2 == 0 else ("by length", "by prompt")):
+            g = sides[side]
             t0 = time.perf_counter()
             with torch.no_grad():
                 ref = update.reference_logprobs(model, batch, g)
@@ -166,7 +165,6 @@ def update_side(model, tokenizer, env, tasks, params, group_size: int, rounds: i
             t0 = time.perf_counter()
             update.grpo_update(policy, ref, opt, batch, g)
             seconds[f"{side} update"].append(time.perf_counter() - t0)
-    update.MIN_GROUP_SHARED = threshold
     diff = max(float((a - b).abs().max()) for a, b in zip(grads["by prompt"], grads["by length"]))
     scale = max(float(b.abs().max()) for b in grads["by length"])
     print(f"{len(batch)} rows, {int(batch.target_mask.sum())} sampled tokens, {batch.input_ids.shape[1]} columns; "

@@ -5,13 +5,14 @@ the candidates for a faster one, on the same batches, in alternating rounds.
 
 Sides (each on both phases of the recipe: the copy warm-up, 16 conversations without the
 system prompt, and the main phase, 8 full conversations whose system prompt is run once):
-  before         the step before the flash kernels: the rows attend to a per-row copy of the
-                 system prompt's keys and values under a mask (`attention.PREFIX_FLASH = False`)
   float32        today's step (`sft.train_phase`)
   bfloat16       the same under bfloat16 autocast (`model.dtype: bfloat16`, issue 14)
   sorted/4       float32, the batch sorted by length and run as micro-batches of 4, each cut to
                  its own longest row (the same gradient, less padding; not in `sft`)
   bf16 sorted/4  both candidates together
+
+The step before the flash kernels (the rows attending to a per-row copy of the system prompt's keys and
+values under a mask) was a module switch until issue 19; its side runs at b6b1319 (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import time
 import torch
 import torch.nn.functional as F
 
-from toolcollapse import attention
 from toolcollapse.chat import PieceEncoder
 from toolcollapse.config import load_config
 from toolcollapse.envs import make_env
@@ -47,14 +47,13 @@ def main() -> None:
     tasks = env.tasks("train")[:2000]
     phases = {"warm-up (16 x no system prompt)": (encode_without_system_prompt(encoder, tasks), 16),
               "main (8 x full task)": (encode_tasks(encoder, tasks), 8)}
-    sides = {"before": ("float32", 0), "float32": ("float32", 0), "bfloat16": ("bfloat16", 0),
+    sides = {"float32": ("float32", 0), "bfloat16": ("bfloat16", 0),
              "sorted/4": ("float32", 4), "bf16 sorted/4": ("bfloat16", 4)}
     pad = tokenizer.pad_token_id
     times: dict[tuple[str, str], list[float]] = {}
     for r in range(args.rounds):
         for phase, (examples, size) in phases.items():
             for side, (dtype, micro) in sides.items():
-                attention.PREFIX_FLASH = side != "before"
                 model = place(load_model(args.checkpoint, trainable=True), torch.device("cpu"), dtype).train()
                 optimizer = make_optimizer(model, 1e-4, 0.0, (0.9, 0.95))
                 rng = random.Random(r)  # the same batches for every side of a round
@@ -65,12 +64,12 @@ def main() -> None:
                     step(model, optimizer, batch, pad, micro)
                 times.setdefault((phase, side), []).append((time.perf_counter() - t0) / args.steps)
     print(f"seconds per SFT step, mean of {args.rounds} rounds x {args.steps} steps, {args.threads} threads")
-    print("ratios against `before`")
+    print("ratios: float32 (today's step) over each side")
     print(f"{'phase':34s}" + "".join(f"{s:>14s}" for s in sides) + "".join(f"{'x ' + s:>16s}" for s in list(sides)[1:]))
     for phase in phases:
         mean = {s: sum(times[phase, s]) / len(times[phase, s]) for s in sides}
         print(f"{phase:34s}" + "".join(f"{mean[s]:14.3f}" for s in sides)
-              + "".join(f"{mean['before'] / mean[s]:16.2f}" for s in list(sides)[1:]))
+              + "".join(f"{mean['float32'] / mean[s]:16.2f}" for s in list(sides)[1:]))
 
 
 def step(model, optimizer, batch, pad: int, micro: int) -> None:

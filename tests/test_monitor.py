@@ -157,3 +157,36 @@ def test_sampled_control_stats_hand_computed():
     assert s["ctrl/ratio_mean_ctrl"] == pytest.approx((2 + 1 + 0.5) / 3)
     assert s["ctrl/ratio_max_ctrl"] == pytest.approx(2.0) and s["ctrl/ratio_max_other"] == pytest.approx(1.0)
     assert s["ctrl/entropy_mean_ctrl"] == pytest.approx(2.0) and s["ctrl/entropy_mean_other"] == pytest.approx(0.2)
+
+
+def test_the_forward_accumulators_reduce_alike_in_one_process_and_over_ranks():
+    """`SampledTokens` and `TurnCounts`, which our update and TRL's trainer feed: the statistics of tokens
+    added over several micro-batches are those of the whole batch at once, and with `gather` (TRL's ranks;
+    here two ranks holding the same rows) the means and maxima are the same and the counts double."""
+    from toolcollapse.monitor import SampledTokens, TurnCounts, sampled_control_stats
+    from toolcollapse.parser import parse_turn
+    from toolcollapse.turn_stats import count_turns, turn_rates
+
+    torch.manual_seed(0)
+    ids = {TOOL_CALL: 3, IM_END: 5}
+    twice = lambda rows: torch.cat([rows, rows])  # noqa: E731
+    one, ranks = SampledTokens(ids), SampledTokens(ids, gather=twice)
+    parts = [(torch.randint(0, 8, (20,)), -torch.rand(20), -torch.rand(20), torch.rand(20)) for _ in range(3)]
+    for part in parts:
+        one.add(*part)
+        ranks.add(*part)
+    whole = sampled_control_stats(*(torch.cat(c) for c in zip(*parts)), ids)
+    a, b = one.reduce(), ranks.reduce()
+    assert a == whole and a.keys() == b.keys() and "ctrl/tool_call/p_sampled_max" in a
+    for key, value in a.items():
+        assert b[key] == pytest.approx(2 * value if key.endswith("n_sampled") else value, rel=1e-6), key
+    assert one.reduce() == {} and ranks.reduce() == {}  # a reduce starts the next window empty
+
+    rollouts = [[parse_turn('<tool_call>{"name": "f", "arguments": {}}</tool_call>'), parse_turn("the answer<|im_end|>")],
+                [parse_turn("<tool_call>{oops</tool_call>")]]
+    alone, over_ranks = TurnCounts(), TurnCounts(gather=twice)
+    alone.add(rollouts)
+    over_ranks.add(rollouts)
+    assert alone.reduce() == over_ranks.reduce() == turn_rates(count_turns(rollouts))
+    assert turn_rates(count_turns(rollouts))["healthy_rate"] == pytest.approx(2 / 3)
+    assert TurnCounts().reduce() == {}

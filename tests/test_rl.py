@@ -216,6 +216,8 @@ def test_micro_batches_by_prompt_where_prompts_are_long_give_the_same_update(tin
     assert all(shared_prefix_len([r.tolist() for r in mb.input_ids]) >= 340 for mb in parts if len(mb) > 1)
     one_each = upd.update_plan(tiny_model, batch.rows(torch.tensor([0, 3, 6])), g)  # a row a prompt: nothing shared
     assert one_each[0] is not None and len(one_each[1]) == 2
+    by_length = upd.update_plan(tiny_model, batch, GRPOConfig(micro_batch_size=2, by_prompt_min_tokens=301))
+    assert by_length[0] is not None  # the threshold above the prompts' 300 own tokens: by length, the prefix once
     plain, _ = _plain_grads(tiny_model, batch, g, reference)
     for a, b in zip(by_prompt, plain):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)

@@ -53,7 +53,7 @@ def test_content_statistics_equal_the_probabilities_a_model_gives(tokenizer, mon
     """A stand-in model gives the ground truth probability 0.25 at every token of the copied argument
     values and 0.9 everywhere else: the probe reports exactly log 0.25 for arg_copied and log 0.9 for
     the rest; with the truth's logit below the others (p = e^-1 / (e^-1 + V - 1)) its greedy accuracy is 0."""
-    import toolcollapse.monitor as monitor
+    import toolcollapse.monitor.probe as monitor  # where run_probe looks its forwards up
 
     one_call = [*CONVERSATION[:4], Message("assistant", "It is 7.")]
     trained, labels, ids, mask = _labelled(tokenizer, one_call)

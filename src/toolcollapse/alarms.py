@@ -32,8 +32,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from toolcollapse.chat import SHORT
 from toolcollapse.config import MonitorConfig
-from toolcollapse.monitor import SHORT
 
 
 # ----------------------------------------------------------------------------- detectors

@@ -44,7 +44,6 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 CASCADE = "toolcollapse_cascade"
 DECODE_MAX_QUERIES = 4  # up to this many queries a row, the split products (decoding); above, one fused kernel
-PREFIX_FLASH = True  # teacher-forced forwards on the CPU: two flash kernels (False: the copy, as before; benchmarks)
 
 
 @dataclass(frozen=True)
@@ -99,11 +98,11 @@ def cascade_attention(module: Any, query: torch.Tensor, key: SplitKV | torch.Ten
                                       **kwargs)
     if dropout:  # (training with attention dropout) one fused kernel over a copy, which applies it
         return joined_attention(module, query, key, value, attention_mask, scaling, dropout=dropout, **kwargs)
-    if key.causal and PREFIX_FLASH and query.device.type == "cpu":
+    if key.causal and query.device.type == "cpu":
         out = prefix_causal_attention(query, key, value, scaling or query.shape[-1] ** -0.5)
         return out.transpose(1, 2), None
     if query.shape[2] > DECODE_MAX_QUERIES:  # a chunk (prompt rest, observation)
-        if PREFIX_FLASH and query.device.type == "cpu" and not torch.is_grad_enabled():
+        if query.device.type == "cpu" and not torch.is_grad_enabled():
             out = flash_split_attention(query, key, value, attention_mask, scaling or query.shape[-1] ** -0.5)
             return out.transpose(1, 2), None
         return joined_attention(module, query, key, value, attention_mask, scaling, **kwargs)  # one kernel, a copy

@@ -39,6 +39,9 @@ TOOL_RESPONSE = "<tool_response>"
 TOOL_RESPONSE_END = "</tool_response>"
 ENDOFTEXT = "<|endoftext|>"
 CONTROL_TAGS: tuple[str, ...] = (ENDOFTEXT, IM_START, IM_END, TOOL_CALL, TOOL_CALL_END, TOOL_RESPONSE, TOOL_RESPONSE_END)
+# each tag's name in metric keys (`probe/<short>/...`, `ctrl/<short>/...`)
+SHORT = {TOOL_CALL: "tool_call", TOOL_CALL_END: "tool_call_end", IM_END: "im_end", IM_START: "im_start",
+         TOOL_RESPONSE: "tool_response", TOOL_RESPONSE_END: "tool_response_end", ENDOFTEXT: "endoftext"}
 STOP_TAGS: tuple[str, ...] = (TOOL_CALL_END, IM_END, ENDOFTEXT)  # a sampled one ends the assistant turn
 
 

@@ -14,8 +14,9 @@ import re
 import typing
 from typing import Iterable
 
+from toolcollapse.chat import SHORT
 from toolcollapse.config import MonitorConfig
-from toolcollapse.monitor import CONTENT_NAMES, SHORT, SLOT_NAMES
+from toolcollapse.monitor import CONTENT_NAMES, SLOT_NAMES
 from toolcollapse.records import ErrorType, FinishReason, TurnState
 
 

@@ -15,7 +15,8 @@ rollouts sampled from, reading the system prompt's keys and values the rollouts 
 of oracle conversations is teacher-forced through the policy and its control-token and content
 statistics are logged (monitor.py); every `grpo.eval_every` steps the policy runs greedily
 on fixed `eval.split` tasks (`val/success`, `val/healthy_rate`: the skill, which the format
-can hide). Alarm rules watch the probe's series (alarms.py): an alarm is printed,
+can hide). The alarm rules watch each step's metrics (`monitor.Monitor`, the one TRL's callback
+feeds too; the rules: alarms.py): an alarm is printed,
 written to alarms.jsonl and handled (`monitor.on_alarm`: log, checkpoint, stop; or a
 handler passed to `run_rl`). With `grpo.skip_uninformative_steps`, a step whose groups all
 have equal rewards makes no optimizer step, so Adam's momentum cannot keep moving the
@@ -58,7 +59,7 @@ from typing import Any, Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from toolcollapse.alarms import Alarm, Watcher, run_rules
+from toolcollapse.alarms import Alarm
 from toolcollapse.chat import PieceEncoder, generation_prompt
 from toolcollapse.checkpoint import MARKER, complete_checkpoints, load_trainer_state, save_checkpoint
 from toolcollapse.config import ConfigError, RunConfig, dump_config
@@ -68,7 +69,7 @@ from toolcollapse.evaluate import sampling_params
 from toolcollapse.interleave import PHASES, PhaseRunner, latest_per_task, read_failures, sft_phase, trained_tokens
 from toolcollapse.judge import Judge
 from toolcollapse.model import PrefixCache, load_model, load_tokenizer, place, resolve_device
-from toolcollapse.monitor import ProbeSet, probe_for, run_probe
+from toolcollapse.monitor import Monitor
 from toolcollapse.optim import lr_at, make_optimizer, set_lr
 from toolcollapse.records import Task
 from toolcollapse.rewards import rewards_tensor
@@ -144,24 +145,13 @@ def _raise(alarms: list[Alarm], ctx: AlarmContext, handle: AlarmHandler) -> bool
     """Print and record the alarms, run the handler; True if it asks the run to stop."""
     for a in alarms:
         tqdm.write(f"rl: {a.describe()}")
-        append_jsonl(ctx.run_dir / "alarms.jsonl", {"step": a.step, "series": a.rule.series,
-                                                    "detector": a.rule.detector, "value": a.value})
+        append_jsonl(ctx.run_dir / "alarms.jsonl", Monitor.record(a))
     handle(alarms, ctx)
     if ctx.events:
         append_jsonl(ctx.run_dir / "alarms.jsonl", {"step": ctx.step, "event": "recovery", **ctx.events})
     if ctx.stop:
         tqdm.write(f"rl: stopped on alarm after step {ctx.step}; continue with --resume {ctx.run_dir}")
     return ctx.stop
-
-
-def _watcher(cfg: RunConfig, rows: Sequence[dict[str, Any]]) -> Watcher:
-    """The run's alarm rules, fed the metrics of the steps already taken (a resumed run does not re-alarm)."""
-    watcher = Watcher(run_rules(cfg.monitor))
-    for row in rows:
-        watcher.update(row["step"], row)
-        if "adaptive/recovery" in row:
-            watcher.rearm()
-    return watcher
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -201,10 +191,8 @@ class Run:
     phases: PhaseRunner
     signals: list[Signal]
     order: list[Task]  # the training tasks in the run's order
-    probe: ProbeSet | None
-    probe_tokens: dict[str, int]
+    monitor: Monitor  # the probe and the alarm rules
     val_tasks: list[Task]
-    watcher: Watcher
     on_alarm: AlarmHandler
     writer: Any
     start: int  # the first step this process runs
@@ -292,15 +280,15 @@ def start_run(cfg: RunConfig, run_dir: Path, resume: bool, signals: list[Signal]
                                config_handler(cfg.monitor.on_alarm))
     env = make_env(cfg)
     order = task_order(env.tasks(g.split, g.pool_size), cfg.seed)
-    probe, probe_tokens = probe_for(cfg, env, tokenizer)
+    monitor = Monitor.for_run(cfg, env, tokenizer)
+    monitor.replay(rows)  # a resumed run does not re-alarm on the steps it took
     engine = RolloutEngine.from_config(model, tokenizer, env, cfg.rollout)
     engine.prefixes = PrefixCache(model)
     phases = PhaseRunner(run_dir, model, engine.encoder, {t.id: t for t in order}, cfg, read_failures(run_dir),
                          optimizer, decode=engine.decode,
                          generation_prompt_len=len(engine.encoder.encode(generation_prompt())[0]))
-    run = Run(cfg, run_dir, model, ref_model, tokenizer, optimizer, engine, phases, signals, order, probe,
-              probe_tokens, env.tasks(cfg.eval.split, g.eval_n) if g.eval_every else [], _watcher(cfg, rows),
-              handler, writer, start, fresh=not done, rows=rows, sft_tokens_total=sft_tokens_so_far(rows))
+    run = Run(cfg, run_dir, model, ref_model, tokenizer, optimizer, engine, phases, signals, order, monitor,
+              env.tasks(cfg.eval.split, g.eval_n) if g.eval_every else [], handler, writer, start, fresh=not done, rows=rows, sft_tokens_total=sft_tokens_so_far(rows))
     for signal in signals:
         signal.start(run)
     model.train()
@@ -319,10 +307,9 @@ def rollout_stage(run: Run, step: Step) -> None:
 
 def monitor_stage(run: Run, step: Step) -> None:
     """The probe and validation, on the weights the rollouts sampled from, before the update (step 0: the start)."""
-    cfg, g, m, t0 = run.cfg, run.cfg.grpo, run.cfg.monitor, time.time()
-    if run.probe is not None and step.index % m.probe_every == 0:
-        step.metrics.update(run_probe(run.model, run.probe, run.probe_tokens, cfg.rollout.temperature,
-                                      run.engine.prefixes))
+    cfg, g, t0 = run.cfg, run.cfg.grpo, time.time()
+    if run.monitor.probe_due(step.index):
+        step.metrics.update(run.monitor.run_probe(run.model, run.engine.prefixes))
     step.metrics["seconds_probe"] = time.time() - t0
     if run.val_tasks and step.index % g.eval_every == 0:
         t1 = time.time()
@@ -342,7 +329,7 @@ def update_stage(run: Run, step: Step) -> None:
     kinds = step.kinds if set(step.kinds) != {"policy"} else ()
     step.metrics.update({"step": step.index, "lr": lr, **policy_step(
         run.model, run.ref_model, run.optimizer, step.episodes, step.rewards, g, run.tokenizer.pad_token_id,
-        run.probe_tokens, share_rows, cfg.rollout.temperature, kinds, terms), **row_kind_stats(step.episodes, step.kinds)})
+        run.monitor.token_ids, share_rows, cfg.rollout.temperature, kinds, terms), **row_kind_stats(step.episodes, step.kinds)})
     step.metrics["seconds_update"] = time.time() - t0
 
 
@@ -358,7 +345,7 @@ def signals_stage(run: Run, step: Step) -> None:
 
 def alarm_stage(run: Run, step: Step) -> AlarmContext:
     """The alarm rules on the step's metrics; the handler's actions (a checkpoint, a stop, a recovery)."""
-    alarms = run.watcher.update(step.index, step.metrics)
+    alarms = run.monitor.observe(step.index, step.metrics)
     ctx = AlarmContext(step.index, run.run_dir, run.model, run.optimizer, recoveries=run.recoveries)
     if alarms:
         ctx.rollback = functools.partial(_rollback, run.run_dir, step.index, run.model, run.optimizer)
@@ -368,7 +355,7 @@ def alarm_stage(run: Run, step: Step) -> AlarmContext:
         _raise(alarms, ctx, run.on_alarm)
         if ctx.recovered:  # a recovery: the rules watch the recovered run afresh
             run.recoveries += 1
-            run.watcher.rearm()
+            run.monitor.rearm()
         step.metrics.update(ctx.events)
     return ctx
 
@@ -388,13 +375,13 @@ def log_stage(run: Run, step: Step, bar: Any, seconds: float) -> None:
     if tokens or "sup/sft_tokens" in metrics:
         run.sft_tokens_total += tokens
         metrics["sup/sft_tokens_total"] = run.sft_tokens_total
-    metrics["alarms_total"] = len(run.watcher.alarms)
+    metrics["alarms_total"] = len(run.monitor.alarms)
     metrics["seconds"] = seconds
     log_step(run.run_dir, run.writer, metrics, sample_records(step.index, step.episodes, step.rewards,
                                                               run.engine.decode, g.samples_per_step, step.kinds))
     bar.update(1)
     bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", healthy=f"{metrics['healthy_rate']:.2f}",
-                    informative=f"{metrics['frac_groups_informative']:.2f}", alarms=len(run.watcher.alarms),
+                    informative=f"{metrics['frac_groups_informative']:.2f}", alarms=len(run.monitor.alarms),
                     **({"val": run.last_val} if run.val_tasks else {}), refresh=False)
 
 

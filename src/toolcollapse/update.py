@@ -24,9 +24,8 @@ import torch
 from toolcollapse.advantages import group_advantages
 from toolcollapse.losses import aggregate, kl_k3, ppo_clip_loss
 from toolcollapse.model import device_of, logits_after, logits_at, run_prefix, shared_prefix_len
-from toolcollapse.monitor import control_gradient_share, sampled_control_stats
+from toolcollapse.monitor import SampledTokens, control_gradient_share
 from toolcollapse.records import Episode, PolicyBatch
-from toolcollapse.rollout import MIN_GROUP_SHARED
 from toolcollapse.signals.base import LossTerm, OptimizerStep, RowKind
 
 
@@ -130,12 +129,12 @@ class UpdateStats:
 
 
 def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torch.optim.Optimizer,
-                batch: PolicyBatch, cfg: Any, collect: list | None = None, temperature: float = 1.0,
+                batch: PolicyBatch, cfg: Any, collect: SampledTokens | None = None, temperature: float = 1.0,
                 terms: Sequence[LossTerm] = ()) -> UpdateStats:
     """One optimizer step over the whole batch, in micro-batches (gradient accumulation).
 
-    `collect`, if given, receives (targets, logp, old_logp, entropy) [M] per micro-batch,
-    detached: the monitor's statistics come from this forward at no extra cost; the tokens of the
+    `collect`, if given, is fed (targets, logp, old_logp, entropy) [M] of each micro-batch:
+    the monitor's statistics come from this forward at no extra cost; the tokens of the
     batch's `expert` rows stay out (the policy did not sample them). `terms`: the supervision signals'
     loss terms (signals/), each already told which optimizer step this is (`LossTerm.begin`)."""
     n_tokens, n_seqs = int(batch.target_mask.sum()), len(batch)
@@ -163,7 +162,7 @@ def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torc
                 total = total + added
         if collect is not None:
             own = slice(None) if mb.expert is None else ~mb.expert[seq_ids]  # [M] the policy's own tokens
-            collect.append((mb.input_ids[mb.target_mask][own], logp.detach()[own], old[own], entropy.detach()[own]))
+            collect.add(mb.input_ids[mb.target_mask][own], logp[own], old[own], entropy[own])
         finite &= bool(torch.isfinite(total))
         if finite:
             total.backward()
@@ -189,6 +188,11 @@ def grpo_update(model: Any, ref_logp: list[torch.Tensor] | None, optimizer: torc
     if not skipped:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return _update_stats(sums, n_tokens, grad_norm, skipped)
+
+
+def _update_stats(sums: Counter[str], n_tokens: int, grad_norm: float, skipped: bool) -> UpdateStats:
+    """An optimizer step's statistics from its micro-batches' sums (per sampled token where they are sums)."""
     per_tok = lambda key: sums[key] / max(1, n_tokens)  # noqa: E731
     return UpdateStats(loss=sums["loss"], pg_loss=sums["pg_loss"], kl_ref=per_tok("kl_ref"),
                        approx_kl_old=per_tok("approx_kl_old"), entropy=per_tok("entropy"),
@@ -220,7 +224,7 @@ def policy_step(model: Any, ref_model: Any | None, optimizer: torch.optim.Optimi
     parts = [batch.rows(slice(*rows)) for rows in slices]
     ref_logp = [reference_logprobs(ref_model, part, g, temperature) if ref_model is not None else None
                 for part in parts]
-    collected: list = []  # per-token tensors of the last pass's forwards, for the control-token statistics
+    collected = SampledTokens(control_ids)  # the last pass's forwards, for the control-token statistics
     updates = []
     for epoch in range(g.updates_per_batch):
         last = epoch == g.updates_per_batch - 1
@@ -230,7 +234,7 @@ def policy_step(model: Any, ref_model: Any | None, optimizer: torch.optim.Optimi
             updates.append(grpo_update(model, ref, optimizer, part, g, collect=collected if last else None,
                                        temperature=temperature, terms=terms))
     signals = {k: v for term in terms for k, v in term.metrics().items()}
-    return {**asdict(adv_stats), **combine_updates(updates), **control_stats(collected, control_ids), **share,
+    return {**asdict(adv_stats), **combine_updates(updates), **collected.reduce(), **share,
             **signals, "optimizer_steps": len(updates), "skipped_uninformative": 0}
 
 
@@ -309,13 +313,13 @@ def update_plan(model: Any, batch: PolicyBatch, g: Any) -> tuple[BatchPrefix | N
 def plan_rows(model: Any, batch: PolicyBatch, g: Any) -> tuple[BatchPrefix | None, list[torch.Tensor]]:
     """The batch's shared prefix run once and the rows [n] of each micro-batch of `grpo.micro_batch_size`,
     sorted by length; but where the prompts are long past that
-    prefix (BFCL: each task its own 2-5 k-token system prompt, a batch sharing ~200 tokens) micro-batches
+    prefix (`grpo.by_prompt_min_tokens`; BFCL: each task its own 2-5 k-token system prompt, a batch sharing ~200 tokens) micro-batches
     by prompt, each running its rows' whole prompt once, instead of every row its own copy."""
     ids = [r.tolist() for r in batch.input_ids]
     shared = shared_prefix_len(ids)
     prompt_lens = batch.target_mask.float().argmax(dim=1).tolist()  # [N] the first sampled position
     sampled = [i for i, row in enumerate(batch.target_mask.any(dim=1).tolist()) if row]
-    if (sampled and sum(prompt_lens[i] - shared for i in sampled) / len(sampled) >= MIN_GROUP_SHARED
+    if (sampled and sum(prompt_lens[i] - shared for i in sampled) / len(sampled) >= g.by_prompt_min_tokens
             and len({tuple(ids[i][:prompt_lens[i]]) for i in sampled}) < len(sampled)):  # (some prompt has 2+ rows)
         return None, micro_batch_rows(batch, g.micro_batch_size, prompt_lens)
     return batch_prefix(model, batch, shared), micro_batch_rows(batch, g.micro_batch_size)
@@ -337,10 +341,3 @@ def micro_batch_rows(batch: PolicyBatch, size: int, prompt_lens: Sequence[int] |
     for i in order.tolist():
         by_prompt.setdefault(tuple(ids[i][:prompt_lens[i]]), []).append(i)
     return [torch.tensor(rows[s:s + size], device=device) for rows in by_prompt.values() for s in range(0, len(rows), size)]
-
-
-def control_stats(collected: list, token_ids: dict[str, int]) -> dict[str, float]:
-    if not collected:
-        return {}
-    targets, logp, old, entropy = (torch.cat(parts) for parts in zip(*collected))
-    return sampled_control_stats(targets, logp, old, entropy, token_ids)

@@ -229,6 +229,9 @@ class GRPOConfig(Checked):
     # sequences per forward/backward (gradient accumulation); sorted by length, each cut to its longest row,
     # the batch's shared prefix run once (update.update_plan)
     micro_batch_size: Count = 16
+    # micro-batches by prompt, each running its rows' whole prompt once, where the prompts past the batch's
+    # shared prefix average this many tokens (BFCL: 2-5 k each); below, by length with the prefix run once
+    by_prompt_min_tokens: NonNegInt = 256
     format_reward: NonNegative = 0.0  # optional shaping: + format_reward * share of healthy turns
     # optional shaping (rewards.py): a failed episode scores partial_credit * the share of the ground-truth
     # calls it made in order; the paper's reward is binary (0)

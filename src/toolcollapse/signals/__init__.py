@@ -33,7 +33,7 @@ from toolcollapse.signals.ets import ETS
 from toolcollapse.signals.hbg import HBG
 from toolcollapse.signals.ops import OPS, LuffyShaping
 from toolcollapse.signals.prs import PRS
-from toolcollapse.signals.rows import group_rollouts
+from toolcollapse.signals.rows import group_rollouts, row_kinds
 from toolcollapse.signals.sft_term import SFTTermLoss, SFTTermSignal
 from toolcollapse.signals.unlikelihood import Unlikelihood, UnlikelihoodSignal
 
@@ -54,4 +54,4 @@ def group_rows(signals: Sequence[Signal]) -> list[Rows]:
 
 __all__ = ["SIGNALS", "Adaptive", "ETS", "HBG", "LossTerm", "LuffyShaping", "OPS", "OptimizerStep", "PRS", "RowKind",
            "Rows", "SFTTermLoss", "SFTTermSignal", "Signal", "Step", "Unlikelihood", "UnlikelihoodSignal",
-           "build_signals", "group_rollouts", "group_rows"]
+           "build_signals", "group_rollouts", "group_rows", "row_kinds"]

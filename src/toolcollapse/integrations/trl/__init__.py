@@ -70,7 +70,8 @@ from toolcollapse.integrations.trl.callback import ControlTokenCallback
 from toolcollapse.integrations.trl.environment import (speak_toolcollapse_chat, task_dataset, task_rows, tool_world_dataset, tool_world_environment, tool_world_reward)
 from toolcollapse.integrations.trl.interleaved import (reference_rows, reference_token_rows, rl_phase_data, rollout_episode, train_interleaved)
 from toolcollapse.integrations.trl.rollout import engine_rollouts, episode_success
-from toolcollapse.integrations.trl.stats import SampledTokens, Supervision, TurnStates, rejected_controls
+from toolcollapse.integrations.trl.stats import Supervision, TurnStates, rejected_controls
+from toolcollapse.monitor import SampledTokens
 from toolcollapse.integrations.trl.trainer import MonitoredGRPOTrainer
 
 __all__ = ["ALARMS", "MONITOR", "MONITOR_CONFIG", "ControlTokenCallback", "MonitoredGRPOTrainer", "SampledTokens",

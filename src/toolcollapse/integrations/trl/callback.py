@@ -9,12 +9,12 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from toolcollapse.alarms import Alarm, Watcher, run_rules
+from toolcollapse.alarms import Alarm
 from toolcollapse.config import MonitorConfig, RunConfig, dump_config
 from toolcollapse.conversations import conversation_probe, read_conversations
 from toolcollapse.envs import make_env
 from toolcollapse.integrations.trl._common import (ALARMS, MONITOR, MONITOR_CONFIG, _append, _from_rank_zero, _generation_model)
-from toolcollapse.monitor import ProbeSet, probe_for, resolve_token_ids, run_probe
+from toolcollapse.monitor import Monitor, ProbeSet, resolve_token_ids
 
 
 class ControlTokenCallback(TrainerCallback):
@@ -25,12 +25,9 @@ class ControlTokenCallback(TrainerCallback):
 
     def __init__(self, probe: ProbeSet | None, token_ids: Mapping[str, int], monitor: MonitorConfig | None = None,
                  temperature: float = 1.0):
-        self.probe, self.token_ids = probe, dict(token_ids)
         self.monitor = monitor or MonitorConfig()
-        self.temperature = temperature
-        self.watcher = Watcher(run_rules(self.monitor))
+        self.watch = Monitor(self.monitor, probe, token_ids, temperature)  # the probe and the rules rl runs
         self.pending: dict[str, float] = {}  # probe series not yet in a log
-        self.alarms: list[Alarm] = []
         self.trainer: Any = None
         self.step_offset = 0  # steps of earlier trainers on this policy (`train_interleaved`'s rounds)
 
@@ -38,8 +35,8 @@ class ControlTokenCallback(TrainerCallback):
     def for_tool_world(cls, cfg: RunConfig, tokenizer: Any) -> ControlTokenCallback:
         """The probe `rl` builds for this run config: `monitor.probe_size` oracle conversations of its
         training split, with their content labels, at `rollout.temperature`."""
-        probe, token_ids = probe_for(cfg, make_env(cfg), tokenizer)
-        return cls(probe, token_ids, cfg.monitor, cfg.rollout.temperature)
+        watch = Monitor.for_run(cfg, make_env(cfg), tokenizer)
+        return cls(watch.probe, watch.token_ids, cfg.monitor, watch.temperature)
 
     @classmethod
     def from_conversations(cls, path: str | Path, cfg: RunConfig, tokenizer: Any) -> ControlTokenCallback:
@@ -67,8 +64,7 @@ class ControlTokenCallback(TrainerCallback):
     # -- probe -----------------------------------------------------------------------------------------
 
     def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> Any:
-        every = self.monitor.probe_every
-        if self.probe is None or every <= 0 or state.global_step % every:
+        if not self.watch.probe_due(state.global_step):
             return control
         t0 = time.perf_counter()
         stats = _from_rank_zero(self._run_probe(model))
@@ -79,24 +75,34 @@ class ControlTokenCallback(TrainerCallback):
 
     def _run_probe(self, model: Any) -> dict[str, float]:
         if self.trainer is None:
-            return run_probe(model, self.probe, self.token_ids, self.temperature)
+            return self.watch.run_probe(model)
         # every rank enters (ZeRO-3 and FSDP gather the shards collectively), each computes; rank 0's values count
         with _generation_model(self.trainer) as unwrapped:
-            return run_probe(unwrapped, self.probe, self.token_ids, self.temperature)
+            return self.watch.run_probe(unwrapped)
+
+    @property
+    def probe(self) -> ProbeSet | None:
+        return self.watch.probe
+
+    @property
+    def token_ids(self) -> dict[str, int]:
+        return self.watch.token_ids
+
+    @property
+    def alarms(self) -> list[Alarm]:
+        return self.watch.alarms
 
     # -- alarms ----------------------------------------------------------------------------------------
 
     def observe(self, step: int, metrics: Mapping[str, Any], args: Any, control: Any) -> Any:
         """Feed the rules; act on what they raise. The same on every rank: `metrics` are identical there."""
         _append(args.output_dir, MONITOR, {"step": step, **metrics})
-        alarms = self.watcher.update(step, metrics)
-        if not alarms:
-            return control
-        self.alarms.extend(alarms)
+        alarms = self.watch.observe(step, metrics)
         for a in alarms:
             print(f"toolcollapse: {a.describe()}", flush=True)
-            _append(args.output_dir, ALARMS, {"step": a.step, "series": a.rule.series, "detector": a.rule.detector,
-                                              "value": a.value, "action": self.monitor.on_alarm})
+            _append(args.output_dir, ALARMS, Monitor.record(a, action=self.monitor.on_alarm))
+        if not alarms:
+            return control
         if self.monitor.on_alarm in ("checkpoint", "stop"):
             control.should_save = True
         if self.monitor.on_alarm == "stop":

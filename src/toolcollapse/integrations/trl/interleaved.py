@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import json
+import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -111,22 +113,19 @@ def reference_token_rows(failures: list[dict[str, Any]], tokenizer: Any) -> tupl
 
 
 def rollout_episode(task: Any, prompt_ids: Any, completion_ids: Any, sampled: Any, tokenizer: Any,
-                    env: Any = None, call_end: str = "template") -> Any:
+                    env: Any = None, call_end: str = "template", id_to_tag: Mapping[int, str] | None = None) -> Any:
     """A rollout played in TRL (its tool loop, or `engine_rollouts`), in toolcollapse's chat format, as our
     `Episode`: each run of sampled tokens one turn, parsed as our rollouts parse it -- against the tools the
     task offers at that turn (`env`, one of ours, stepped through the turns: BFCL adds tools on the way;
     None: the tools are not checked, only the format) -- and what came between two runs (tool replies, a next
     user turn) its observation: what the judge and the PRS examples read. (Success is not rescored: the
-    rollouts kept are failures.)"""
-    import re
-
+    rollouts kept are failures.) `id_to_tag`: `tag_of_ids(tokenizer)`, when a caller rebuilds many."""
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     prompt, completion = [int(i) for i in prompt_ids], [int(i) for i in completion_ids]
     mask = [int(bool(k)) for k in sampled]
-    encoder = PieceEncoder(tokenizer)
-    id_to_tag = {i: t for t, i in encoder.special_ids.items() if i is not None}
+    id_to_tag = tag_of_ids(tokenizer) if id_to_tag is None else id_to_tag
     ep = Episode(task.id, prompt + completion, [0] * len(prompt) + mask, [0.0] * (len(prompt) + len(mask)),
                  len(prompt))
     runs = _sampled_runs(mask)
@@ -147,6 +146,11 @@ def rollout_episode(task: Any, prompt_ids: Any, completion_ids: Any, sampled: An
                  "max_turns" if last is not None and last.end == "call" else "malformed")
     ep.final_text = last.text if last is not None and last.end == "answer" else None
     return ep
+
+
+def tag_of_ids(tokenizer: Any) -> dict[int, str]:
+    """id -> control tag, of a tokenizer that has every tag (`chat.PieceEncoder` says what to do if not)."""
+    return {i: t for t, i in PieceEncoder(tokenizer).special_ids.items() if i is not None}
 
 
 def rl_phase_data(cfg: RunConfig, tokenizer: Any, prs_target: str | None = None, judge: Any = None,

@@ -1,4 +1,5 @@
-"""The training forward's statistics and the supervision counts in TRL's batches, reduced over ranks."""
+"""TRL's batches in the monitor's and the signals' terms: turn states, rejected controls, supervision counts
+and the loss terms' sums, reduced over ranks (the training forward's `ctrl/*`: `monitor.SampledTokens`)."""
 
 from __future__ import annotations
 
@@ -10,56 +11,25 @@ import torch
 from toolcollapse.autopsy import control_tag_ids, split_turns
 from toolcollapse.chat import IM_END, valid_text
 from toolcollapse.integrations.trl._common import _gather_rows, _sampled_runs
-from toolcollapse.monitor import sampled_control_stats
+from toolcollapse.monitor import TurnCounts
 from toolcollapse.parser import parse_turn, parse_turn_ids
 from toolcollapse.supervision import rejected_positions
-from toolcollapse.turn_stats import TURN_KEYS, count_turns, turn_rates
-
-
-class SampledTokens:
-    """The sampled completion tokens of the micro-batches since the last log: the token, its log-prob and
-    entropy under the current policy, and its log-prob under the sampling policy; reduced over every rank
-    at once (`reduce`), so a maximum is the batch's maximum, not a mean of per-micro-batch maxima."""
-
-    def __init__(self, token_ids: Mapping[str, int]):
-        self.token_ids = dict(token_ids)
-        self.parts: list[torch.Tensor] = []
-
-    def add(self, targets: torch.Tensor, logp: torch.Tensor, old_logp: torch.Tensor, entropy: torch.Tensor,
-            mask: torch.Tensor) -> None:
-        """[B, T] tensors of one micro-batch; `mask` the tokens that count (the completion's, tools' excluded)."""
-        keep = mask.bool()
-        self.parts.append(torch.stack([targets[keep].double(), logp.detach()[keep].double(),
-                                       old_logp.detach()[keep].double(), entropy.detach()[keep].double()],
-                                      dim=1).cpu())
-
-    def reduce(self) -> dict[str, float]:
-        """`ctrl/*` over every rank's tokens since the last call (a collective: call it on every rank)."""
-        rows = torch.cat(self.parts) if self.parts else torch.zeros(0, 4, dtype=torch.float64)
-        self.parts = []
-        rows = _gather_rows(rows)
-        if not len(rows):
-            return {}
-        targets, logp, old, entropy = rows.unbind(dim=1)
-        return sampled_control_stats(targets.long(), logp, old, entropy, self.token_ids)
 
 
 class TurnStates:
     """The turn rates `turn_stats.rollout_stats` logs (`state/*`, `error/*`, `healthy_rate`,
     `turns_per_episode`), from TRL's completions: this adapter splits them into turns and parses them; the
-    counting and the rates are turn_stats' (`count_turns`, `turn_rates`), summed over ranks at `reduce`."""
+    counts and rates are the monitor's (`monitor.TurnCounts`), summed over ranks at `reduce`."""
 
     def __init__(self, tokenizer: Any, tools: Mapping[str, Any] | None = None, call_end: str = "template"):
         self.tokenizer, self.tools, self.call_end = tokenizer, tools, call_end
         self.id_to_tag, self.text_tags = control_tag_ids(tokenizer)
-        self.keys = ["n_rollouts", "n_turns", *TURN_KEYS]
-        self.counts = torch.zeros(len(self.keys), dtype=torch.float64)
+        self.counts = TurnCounts(_gather_rows)
 
     def add(self, completion_ids: torch.Tensor, mask: torch.Tensor) -> None:
         """[B, T] completions of one generation batch (`mask`: their tokens; a multi-turn completion's tool
         responses are split off by the chat format's turn boundaries)."""
-        counts = count_turns(self.parse(ids, m) for ids, m in zip(completion_ids.tolist(), mask.tolist()))
-        self.counts += torch.tensor([counts[k] for k in self.keys], dtype=torch.float64)
+        self.counts.add(self.parse(ids, m) for ids, m in zip(completion_ids.tolist(), mask.tolist()))
 
     def parse(self, ids: list[int], mask: list[Any]) -> list[Any]:
         """One completion's assistant turns, parsed."""
@@ -74,10 +44,7 @@ class TurnStates:
 
     def reduce(self) -> dict[str, float]:
         """The rates over every rank's turns since the last call (a collective: call it on every rank)."""
-        counts = _gather_rows(self.counts[None]).sum(dim=0)
-        self.counts = torch.zeros_like(self.counts)
-        total = dict(zip(self.keys, counts.tolist()))
-        return turn_rates(total) if total["n_turns"] else {}
+        return self.counts.reduce()
 
 
 def rejected_controls(completion_ids: torch.Tensor, mask: torch.Tensor, id_to_tag: Mapping[int, str]) -> torch.Tensor:

@@ -12,15 +12,15 @@ import torch
 from trl import GRPOTrainer
 
 from toolcollapse.config import MonitorConfig
-from toolcollapse.integrations.trl._common import _loss_mask
+from toolcollapse.integrations.trl._common import _gather_rows, _loss_mask
 from toolcollapse.integrations.trl.callback import ControlTokenCallback
 from toolcollapse.integrations.trl.environment import speak_toolcollapse_chat
-from toolcollapse.integrations.trl.interleaved import rollout_episode
-from toolcollapse.integrations.trl.stats import SampledTokens, Supervision, TermSums, TurnStates, rejected_controls
+from toolcollapse.integrations.trl.interleaved import rollout_episode, tag_of_ids
+from toolcollapse.integrations.trl.stats import Supervision, TermSums, TurnStates, rejected_controls
 from toolcollapse.losses import luffy_loss
-from toolcollapse.monitor import resolve_token_ids
+from toolcollapse.monitor import SampledTokens, resolve_token_ids
 from toolcollapse.records import PolicyBatch
-from toolcollapse.signals import LossTerm, OptimizerStep, Signal, Step, Unlikelihood
+from toolcollapse.signals import LossTerm, OptimizerStep, Rows, Signal, Step, Unlikelihood, row_kinds
 from toolcollapse.signals.sft_term import reference_nll
 
 
@@ -55,12 +55,14 @@ class MonitoredGRPOTrainer(GRPOTrainer):
                                                         use_vllm=bool(getattr(training, "use_vllm", False)))
         super().__init__(*args, **kwargs)
         names = control_tokens or (monitor.monitor if monitor else MonitorConfig()).control_tokens
-        self.sampled = SampledTokens(resolve_token_ids(self.processing_class, names))
+        self.sampled = SampledTokens(resolve_token_ids(self.processing_class, names), _gather_rows)
         self.turns = TurnStates(self.processing_class, tool_specs, call_end)
         self.supervision = Supervision(sft_coef, reference_column)
         if unlikelihood_coef < 0:
             raise ValueError(f"unlikelihood_coef {unlikelihood_coef} must be >= 0")
         self.unlikelihood_coef, self.signals = unlikelihood_coef, list(signals)
+        # what `_signal_terms` parses each batch's rows with (it refuses a tokenizer without every tag, now)
+        self._tag_of = tag_of_ids(self.processing_class) if self.signals else {}
         self.call_end = call_end
         self._terms: list[LossTerm] = []  # the loss terms of the generation batch in use
         self.term_sums = TermSums()
@@ -89,6 +91,7 @@ class MonitoredGRPOTrainer(GRPOTrainer):
                              f"ground-truth completion of each prompt); it has {self.train_dataset.column_names}")
         self.ops, self.ops_shaping, self.luffy_gamma = ops, ops_shaping, luffy_gamma
         self.hbg, self.hint_column = hbg, hint_column
+        self._layout = row_kinds(self.num_generations, [Rows("hinted", hbg), Rows("expert", ops)])  # as ours
         self._inputs: list[dict[str, Any]] = []  # the generation batch's rows, for `_generate`
         self._expert = self._hinted = torch.zeros(0, dtype=torch.bool)
         self.monitor = monitor.attach(self) if monitor else None
@@ -112,14 +115,15 @@ class MonitoredGRPOTrainer(GRPOTrainer):
         return out
 
     def _generate(self, prompts: list) -> tuple:
-        """TRL's generation, with a group's last `ops` rows the reference (OPS) and the `hbg` rows before them
-        sampled from their hinted prompt (HBG). A group is G contiguous rows of the global batch."""
+        """TRL's generation, with a group's rows laid out as our trainer's (`signals.row_kinds`): its last `ops`
+        rows the reference (OPS), the `hbg` rows before them sampled from their hinted prompt (HBG). A group is
+        G contiguous rows of the global batch."""
         if not ((self.ops or self.hbg) and self.model.training):
             return super()._generate(prompts)
         g, first = self.num_generations, self.accelerator.process_index * len(prompts)
-        place = [(first + i) % g for i in range(len(prompts))]
-        self._expert = torch.tensor([j >= g - self.ops for j in place])
-        self._hinted = torch.tensor([g - self.ops - self.hbg <= j < g - self.ops for j in place])
+        kinds = [self._layout[(first + i) % g] for i in range(len(prompts))]
+        self._expert = torch.tensor([k == "expert" for k in kinds])
+        self._hinted = torch.tensor([k == "hinted" for k in kinds])
         if self.rollout_func is not None:  # engine_rollouts plays the expert and hinted rows itself (multi-turn)
             return super()._generate(prompts)
         if any(not isinstance(p, str) for p in prompts):
@@ -177,7 +181,7 @@ class MonitoredGRPOTrainer(GRPOTrainer):
             episodes.append(rollout_episode(SimpleNamespace(id=x.get("task_id", str(i))),
                                             out["prompt_ids"][i][out["prompt_mask"][i].bool()].tolist(),
                                             out["completion_ids"][i][keep].tolist(), mask[i][keep].tolist(),
-                                            self.processing_class, call_end=self.call_end))
+                                            self.processing_class, call_end=self.call_end, id_to_tag=self._tag_of))
         step = Step(self.step_offset + self.state.global_step, [], episodes, kinds)
         for signal in self.signals:
             for term in signal.terms(step):
@@ -324,8 +328,8 @@ class MonitoredGRPOTrainer(GRPOTrainer):
                     loss = loss + shaped.sum() / tokens / self.current_gradient_accumulation_steps
             # the monitor watches the policy's own samples: not the expert rows, not the hinted ones (sampled
             # from another prompt: their sampling log-probs, where the rollout gives them, are not this one's)
-            mask = _loss_mask(inputs) * ~(expert | inputs["hinted"])[:, None]
-            self.sampled.add(inputs["completion_ids"], logp, old, entropy, mask)
+            keep = (_loss_mask(inputs) * ~(expert | inputs["hinted"])[:, None]).bool()
+            self.sampled.add(inputs["completion_ids"][keep], logp[keep], old[keep], entropy[keep])
         return loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

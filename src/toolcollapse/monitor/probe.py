@@ -40,7 +40,6 @@ place while it forgets which entity to look up (docs/LOG.md, "the silent collaps
 from __future__ import annotations
 
 import enum
-import json
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -51,16 +50,17 @@ from toolcollapse.chat import (
     ENDOFTEXT,
     IM_END,
     IM_START,
+    SHORT,
     TOOL_CALL,
     TOOL_CALL_END,
     TOOL_RESPONSE,
     TOOL_RESPONSE_END,
     PieceEncoder,
-    assistant_body,
 )
 from toolcollapse.config import RunConfig
 from toolcollapse.encoding import Example, collate, encode_tasks
 from toolcollapse.model import PrefixCache, device_of, logits_after, logits_at, shared_prefix_len
+from toolcollapse.monitor.content import NO_CONTENT, content_labels, content_stats
 
 
 class Slot(enum.IntEnum):
@@ -88,8 +88,6 @@ FORBIDDEN: dict[str, frozenset[Slot]] = {
     TOOL_RESPONSE_END: _ALL,
     ENDOFTEXT: _ALL,
 }
-SHORT = {TOOL_CALL: "tool_call", TOOL_CALL_END: "tool_call_end", IM_END: "im_end", IM_START: "im_start",
-         TOOL_RESPONSE: "tool_response", TOOL_RESPONSE_END: "tool_response_end", ENDOFTEXT: "endoftext"}
 
 
 def slots(ids: Sequence[int], mask: Sequence[int], tool_call_id: int, tool_call_end_id: int,
@@ -159,104 +157,6 @@ def resolve_token_ids(tokenizer: Any, names: Sequence[str]) -> dict[str, int]:
     if missing:
         raise ValueError(f"control tokens {missing} are not single tokens of this tokenizer")
     return ids
-
-
-# ----------------------------------------------------------------------------- content: the skill, not the format
-
-
-class Content(enum.IntEnum):
-    """What a trained target token of an oracle turn carries besides the format."""
-
-    TOOL_NAME = 0  # the called tool's name
-    ARG_COPIED = 1  # an argument value written verbatim earlier in the conversation (an entity, a number)
-    ARG_COMPUTED = 2  # any other argument value (a chosen attribute, unit, function; a derived number)
-    ANSWER = 3  # the final answer's text
-
-
-NO_CONTENT = -1  # structure: tags, JSON punctuation and keys, the <|im_end|>
-CONTENT_NAMES = {c: c.name.lower() for c in Content}
-
-
-def content_labels(encoder: Any, messages: Sequence[Any]) -> list[int]:
-    """The Content of every trained target of one oracle conversation (NO_CONTENT where none), in the
-    order of `slots`. A value counts as copied when its text occurs in what the model was given before
-    the turn: the user's questions and the tool results (not the system prompt, not its own calls)."""
-    out: list[int] = []
-    context = ""
-    for message in messages:
-        if message.role != "assistant":
-            context += "" if message.role == "system" else message.content + "\n"
-            continue
-        call_text = "\n" + message.tool_call.to_json() + "\n" if message.tool_call is not None else None
-        for piece in assistant_body(message, encoder.call_end):
-            ids, mask = encoder.encode([piece])
-            if not any(mask):
-                continue
-            spans: list[tuple[int, int, int]] = []
-            if piece.special:
-                pass
-            elif piece.text == call_text:
-                spans = _call_spans(message.tool_call, piece.text, context)
-            elif message.tool_call is None:
-                spans = [(0, len(piece.text), Content.ANSWER)]
-            out += _label_tokens(encoder.tokenizer, ids, piece.text, spans)
-    return out
-
-
-def _call_spans(call: Any, text: str, context: str) -> list[tuple[int, int, int]]:
-    """(start, end, Content) character spans of a call's name and leaf argument values in its JSON text."""
-    at = text.index('"name": ') + len('"name": ')
-    name = json.dumps(call.name, ensure_ascii=False)
-    spans = [(at + 1, at + len(name) - 1, int(Content.TOOL_NAME))]
-    _value_spans(call.arguments, text, text.index('"arguments": ', at) + len('"arguments": '), context, spans)
-    return spans
-
-
-def _value_spans(value: Any, text: str, at: int, context: str, out: list[tuple[int, int, int]]) -> int:
-    """Append the spans of `value`'s leaves, serialized in `text` from `at`; returns where it ends."""
-    if isinstance(value, dict):
-        for key, v in value.items():
-            k = json.dumps(key, ensure_ascii=False) + ": "
-            at = _value_spans(v, text, text.index(k, at) + len(k), context, out)
-        return at
-    if isinstance(value, list):
-        for v in value:
-            at = _value_spans(v, text, at, context, out)
-        return at
-    serial = json.dumps(value, ensure_ascii=False)
-    start = text.index(serial, at)
-    lo, hi = (start + 1, start + len(serial) - 1) if isinstance(value, str) else (start, start + len(serial))
-    copied = hi > lo and text[lo:hi] in context
-    out.append((lo, hi, int(Content.ARG_COPIED if copied else Content.ARG_COMPUTED)))
-    return start + len(serial)
-
-
-def _label_tokens(tokenizer: Any, ids: Sequence[int], text: str, spans: Sequence[tuple[int, int, int]]) -> list[int]:
-    """The label of each token of `text` (encoded as `ids`): the first span it overlaps, else NO_CONTENT.
-    A tokenization whose pieces do not decode back to `text` character by character gets no labels."""
-    if not spans:
-        return [NO_CONTENT] * len(ids)
-    ends = [len(tokenizer.decode(ids[:k + 1], clean_up_tokenization_spaces=False)) for k in range(len(ids))]
-    if not ends or ends[-1] != len(text):
-        return [NO_CONTENT] * len(ids)
-    labels = []
-    for start, end in zip([0, *ends[:-1]], ends):
-        labels.append(next((c for lo, hi, c in spans if start < hi and end > lo), NO_CONTENT))
-    return labels
-
-
-def content_stats(truth: torch.Tensor, greedy: torch.Tensor, content_of: torch.Tensor,
-                  prefix: str = "probe/content") -> dict[str, float]:
-    """Per Content slot: the mean log-prob of the ground-truth token and how often it is the greedy
-    choice. truth: [M] its log-prob; greedy: [M] bool, it is the argmax; content_of: [M] Content
-    values. A slot with no positions is absent."""
-    out = {}
-    for c in Content:
-        here = content_of == c
-        if here.any():
-            out[f"{prefix}/{CONTENT_NAMES[c]}/logp"] = truth[here].mean().item()
-            out[f"{prefix}/{CONTENT_NAMES[c]}/acc"] = greedy[here].float().mean().item()
-    return out
 
 
 # ----------------------------------------------------------------------------- the probe set
@@ -333,61 +233,6 @@ def run_probe(model: Any, probe: ProbeSet, token_ids: Mapping[str, int], tempera
             **content_stats(torch.cat(truth), torch.cat(greedy), probe.content_of)}
 
 
-# ----------------------------------------------------------------------------- statistics of the training forward
-
-
-def sampled_control_stats(targets: torch.Tensor, logp: torch.Tensor, old_logp: torch.Tensor, entropy: torch.Tensor,
-                          token_ids: Mapping[str, int], prefix: str = "ctrl") -> dict[str, float]:
-    """Control-token statistics at the tokens the policy sampled, from the update's own forward.
-
-    targets, logp, old_logp, entropy: [M] over the sampled tokens of a batch -- the token,
-    its log-prob under the current policy, under the sampling policy, and the current
-    policy's entropy there. Per control token c sampled at least once: its sampling
-    probability (mean, max) where it was sampled; over all control tokens vs all other
-    tokens: the importance ratio exp(logp - old_logp) (mean, max) and the entropy (mean).
-    """
-    out: dict[str, float] = {}
-    is_ctrl = torch.zeros_like(targets, dtype=torch.bool)
-    for name, tid in token_ids.items():
-        here = targets == tid
-        is_ctrl |= here
-        if here.any():
-            p = old_logp[here].exp()
-            key = f"{prefix}/{SHORT.get(name, name)}"
-            out[f"{key}/p_sampled_mean"] = p.mean().item()
-            out[f"{key}/p_sampled_max"] = p.max().item()
-            out[f"{key}/n_sampled"] = float(here.sum().item())
-    ratio = (logp - old_logp).exp()
-    for label, where in (("ctrl", is_ctrl), ("other", ~is_ctrl)):
-        if where.any():
-            out[f"{prefix}/ratio_mean_{label}"] = ratio[where].mean().item()
-            out[f"{prefix}/ratio_max_{label}"] = ratio[where].max().item()
-            out[f"{prefix}/entropy_mean_{label}"] = entropy[where].mean().item()
-    return out
-
-
-def control_gradient_share(per_token_loss: torch.Tensor, is_ctrl: torch.Tensor, params: Sequence[torch.Tensor],
-                           prefix: str = "ctrl") -> dict[str, float]:
-    """How much of the gradient of a token-mean loss comes from control-token positions.
-
-    per_token_loss: [M] with a graph to `params`; is_ctrl: [M] bool. The loss splits into
-    its control-token and other parts, L = L_ctrl + L_other; `grad_sq_share` is
-    |g_ctrl|^2 / (|g_ctrl|^2 + |g_other|^2), to compare with `token_share`, the control
-    tokens' share of positions. A few low-probability tokens dominating the gradient is a
-    known collapse route (SimpleTIR, arXiv 2509.02479). Empty when the loss has no gradient.
-    """
-    m = per_token_loss.numel()
-    parts = [(per_token_loss * is_ctrl).sum() / m, (per_token_loss * ~is_ctrl).sum() / m]
-    sq = []
-    for k, part in enumerate(parts):
-        grads = torch.autograd.grad(part, params, retain_graph=k == 0, allow_unused=True)
-        sq.append(sum(float(g.double().pow(2).sum()) for g in grads if g is not None))
-    if sq[0] + sq[1] == 0:
-        return {}
-    return {f"{prefix}/grad_sq_share": sq[0] / (sq[0] + sq[1]), f"{prefix}/grad_norm_ctrl": sq[0] ** 0.5,
-            f"{prefix}/grad_norm_other": sq[1] ** 0.5, f"{prefix}/token_share": is_ctrl.float().mean().item()}
-
-
 def probe_for(cfg: RunConfig, env: Any, tokenizer: Any) -> tuple[ProbeSet | None, dict[str, int]]:
     """The run's probe set (the first `monitor.probe_size` training tasks' oracle conversations, with their
     content labels; None when the probe is off) and the ids of the control tokens it reports."""
@@ -400,5 +245,3 @@ def probe_for(cfg: RunConfig, env: Any, tokenizer: Any) -> tuple[ProbeSet | None
     examples = encode_tasks(encoder, tasks)
     content = [content_labels(encoder, [*t.prompt, *t.reference]) for t in tasks]
     return build_probe(examples, tokenizer.pad_token_id, resolve_token_ids(tokenizer, CONTROL_TAGS), content), token_ids
-
-
