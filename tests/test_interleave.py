@@ -285,15 +285,16 @@ def test_the_adaptive_schedule_rolls_back_to_the_checkpoint_before_an_injected_a
 
     from toolcollapse import rl
     from toolcollapse.alarms import Alarm, Rule
+    from toolcollapse.monitor import Monitor
     from toolcollapse.rundir import resume_config
     from toolcollapse.runtime import read_jsonl
 
-    update = rl.Watcher.update
+    observe = Monitor.observe
 
     def inject(self, step, metrics):
-        return update(self, step, metrics) + ([Alarm(step, Rule("probe/injected"), 1.0)] if step == 3 else [])
+        return observe(self, step, metrics) + ([Alarm(step, Rule("probe/injected"), 1.0)] if step == 3 else [])
 
-    monkeypatch.setattr(rl.Watcher, "update", inject)
+    monkeypatch.setattr(Monitor, "observe", inject)
     alarming = {}  # step_000003's weights, read before the rollback deletes it (it is off the path from then on)
     rollback = rl._rollback
 

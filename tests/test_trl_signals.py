@@ -73,27 +73,86 @@ def test_one_batch_through_both_trainers_gives_equal_loss_terms_and_metric_keys(
 
 
 def test_trl_refuses_a_signal_term_it_cannot_run(tmp_path, tiny_checkpoint):
-    """A term that reshapes the surrogate (OPS's LUFFY shaping) is not run in TRL's update: the first batch stops
-    with an error naming the term and what TRL offers instead."""
+    """A term with a per-token loss of its own (not the expert rows' `expert_loss`) is not run in TRL's update: the
+    first batch stops with an error naming the term; a signal that needs our loop's `start` is refused at once."""
     from transformers import AutoTokenizer
 
     from toolcollapse.config import load_config
     from toolcollapse.envs import make_env
     from toolcollapse.integrations.trl import MonitoredGRPOTrainer, engine_rollouts, episode_success, task_dataset
     from toolcollapse.model import load_model
-    from toolcollapse.signals import LuffyShaping
+    from toolcollapse.signals import LossTerm, SFTTermSignal
+
+    class Reweighting(LossTerm):
+        def token_loss(self, pg, logp, adv, mb, seq_ids):
+            return 2 * pg
 
     class Shaping(Toy):
         def terms(self, step):
-            return [LuffyShaping(0.1)]
+            return [Reweighting()]
 
     cfg = load_config("configs/tiny_rl.yaml", ["world.n_train=2000", "world.n_test=200", "world.n_ood=150",
-                                               "rollout.max_turns=2", "rollout.max_new_tokens=8"])
+                                               "rollout.max_turns=2", "rollout.max_new_tokens=8", "supervision.sft_coef=0.5"])
     tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
-    trainer = MonitoredGRPOTrainer(
-        model=load_model(tiny_checkpoint), reward_funcs=episode_success, args=_tool_world_args(tmp_path,
-                                                                                               num_generations=4),
-        train_dataset=task_dataset(cfg, "train", 2), processing_class=tokenizer,
-        rollout_func=engine_rollouts(cfg, tokenizer, tasks=make_env(cfg).tasks("train")[:2]), signals=[Shaping(cfg)])
-    with pytest.raises(ValueError, match="LuffyShaping defines \\['token_loss'\\]"):
+
+    def trainer(signal):
+        return MonitoredGRPOTrainer(
+            model=load_model(tiny_checkpoint), reward_funcs=episode_success,
+            args=_tool_world_args(tmp_path, num_generations=4), train_dataset=task_dataset(cfg, "train", 2),
+            processing_class=tokenizer, signals=[signal],
+            rollout_func=engine_rollouts(cfg, tokenizer, tasks=make_env(cfg).tasks("train")[:2]))
+
+    with pytest.raises(ValueError, match="Reweighting defines \\['token_loss'\\]"):
+        trainer(Shaping(cfg)).train()
+    with pytest.raises(ValueError, match="SFTTermSignal needs our loop's \\['start'\\].*the SFT term is sft_coef"):
+        trainer(SFTTermSignal(cfg))
+
+
+@pytest.mark.slow
+def test_the_ops_and_hbg_signal_objects_run_in_trl_as_its_ops_and_hbg_rows(tmp_path, tiny_checkpoint):
+    """`signals=[OPS(cfg), HBG(cfg)]` -- the objects `toolcollapse rl` builds -- lay out TRL's groups from their
+    `rows()` and shape the expert rows with OPS's own term (`LuffyShaping.expert_loss`), the hinted rows sampled
+    from the HBG signal's prompt: the same rows, logs and weights as the trainer's own `ops=1, hbg=1`."""
+    from transformers import AutoTokenizer
+
+    from toolcollapse.config import load_config
+    from toolcollapse.envs import make_env
+    from toolcollapse.integrations.trl import MonitoredGRPOTrainer, engine_rollouts, episode_success, task_dataset
+    from toolcollapse.model import load_model
+    from toolcollapse.signals import HBG, OPS
+
+    class Hinting(HBG):
+        calls = 0
+
+        def hinted(self, task):
+            Hinting.calls += 1
+            return super().hinted(task)
+
+    cfg = load_config("configs/tiny_rl.yaml", ["world.n_train=2000", "world.n_test=200", "world.n_ood=150",
+                                               "rollout.max_turns=8", "rollout.max_new_tokens=96",
+                                               "supervision.ops.enabled=true", "supervision.ops.gamma=0.3",
+                                               "supervision.hbg.enabled=true", "supervision.hbg.rows=1"])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    tasks = make_env(cfg).tasks("train")[:2]
+
+    def train(path, **supervision):
+        model = load_model(tiny_checkpoint)
+        trainer = _keeping(MonitoredGRPOTrainer)(
+            model=model, reward_funcs=episode_success, args=_tool_world_args(path, num_generations=4, learning_rate=1e-3),
+            train_dataset=task_dataset(cfg, "train", 2), processing_class=tokenizer,
+            rollout_func=engine_rollouts(cfg, tokenizer, tasks=tasks), **supervision)
         trainer.train()
+        return trainer, model.state_dict()
+
+    own, own_weights = train(tmp_path / "own", ops=1, hbg=1, luffy_gamma=0.3)
+    by_signal, signal_weights = train(tmp_path / "signals", signals=[OPS(cfg), Hinting(cfg)])
+    assert Hinting.calls == 2  # one hinted row a task, from the signal's own prompt
+    assert by_signal.saved[1]["expert"].tolist() == own.saved[1]["expert"].tolist() == [False, False, False, True] * 2
+    assert by_signal.saved[1]["hinted"].tolist() == own.saved[1]["hinted"].tolist() == [False, False, True, False] * 2
+    assert torch.equal(by_signal.saved[1]["completion_ids"], own.saved[1]["completion_ids"])
+    a, b = own.state.log_history[0], by_signal.state.log_history[0]
+    assert a["sup/expert_rows"] == b["sup/expert_rows"] == 2 and a["sup/hinted_rows"] == b["sup/hinted_rows"] == 2
+    assert a["reward"] > 0 and a["sup/expert_luffy_loss"] == b["sup/expert_luffy_loss"] != 0  # the replayed rows solve
+    start = load_model(tiny_checkpoint).state_dict()
+    assert any(not torch.equal(own_weights[k], start[k]) for k in start)  # the step trained
+    assert all(torch.equal(own_weights[k], signal_weights[k]) for k in start)

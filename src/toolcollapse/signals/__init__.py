@@ -14,7 +14,8 @@ The update (update.py) sums the loss terms it is handed and never learns a signa
 (`base.LossTerm`) is one object per RL step, told at each of the step's optimizer steps which mini-batch it is
 (`begin`), and asked, in this order:
 
-  token_loss    the per-token policy loss, reshaped (OPS's LUFFY shaping on the expert rows' tokens)
+  token_loss    the per-token policy loss, reshaped; by default `expert_loss` (OPS's LUFFY shaping) in place
+                of the surrogate on the expert rows' tokens, the one reshaping TRL's trainer runs too
   forward_loss  a loss from the update's own forward pass, added to the mini-batch's (unlikelihood)
   backward      a loss with a forward pass of its own, its gradient added to the same optimizer step
                 (the SFT term); False when it was not finite, which skips the optimizer step

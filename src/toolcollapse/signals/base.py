@@ -47,8 +47,16 @@ class LossTerm:
 
     def token_loss(self, pg: torch.Tensor, logp: torch.Tensor, adv: torch.Tensor, mb: PolicyBatch,
                    seq_ids: torch.Tensor) -> torch.Tensor:
-        """The per-token policy loss [M] of micro-batch `mb` (`seq_ids` [M]: each token's row)."""
-        return pg
+        """The per-token policy loss [M] of micro-batch `mb` (`seq_ids` [M]: each token's row); by default the
+        clipped surrogate `pg`, with `expert_loss` in its place on the tokens of the batch's expert rows."""
+        shaped = self.expert_loss(logp, adv) if mb.expert is not None else None
+        return pg if shaped is None else torch.where(mb.expert[seq_ids], shaped, pg)
+
+    def expert_loss(self, logp: torch.Tensor, adv: torch.Tensor) -> torch.Tensor | None:
+        """The per-token loss of the expert rows' tokens (OPS's) in place of the clipped surrogate, from their
+        log-probs and advantages [M]; None: the surrogate. The one reshaping of the surrogate both trainers run
+        (TRL's takes its expert rows out of its own surrogate and adds this)."""
+        return None
 
     def forward_loss(self, logp: torch.Tensor, mb: PolicyBatch) -> torch.Tensor | None:
         """A scalar added to the micro-batch's loss, from its log-probs [M] at the sampled tokens."""

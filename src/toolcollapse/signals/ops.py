@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from toolcollapse.losses import luffy_loss
-from toolcollapse.records import PolicyBatch
 from toolcollapse.signals.base import LossTerm, Rows, Signal, Step
 
 
@@ -20,11 +19,8 @@ class LuffyShaping(LossTerm):
         super().__init__()
         self.gamma = gamma
 
-    def token_loss(self, pg: torch.Tensor, logp: torch.Tensor, adv: torch.Tensor, mb: PolicyBatch,
-                   seq_ids: torch.Tensor) -> torch.Tensor:
-        if mb.expert is None:
-            return pg
-        return torch.where(mb.expert[seq_ids], luffy_loss(logp, adv, self.gamma), pg)
+    def expert_loss(self, logp: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+        return luffy_loss(logp, adv, self.gamma)
 
 
 class OPS(Signal):

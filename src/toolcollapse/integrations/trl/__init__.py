@@ -27,10 +27,13 @@ toolcollapse brings its monitor, its diagnosis and its supervision signals:
   - OPS: the last `ops` rows of each group of G are the reference instead of a sample (TRL's groups are
     contiguous blocks of G; `_generate` is where they are filled), rewarded by the same reward functions,
     the advantages over the mixed group; `ops_shaping="none"` trains them with TRL's clipped surrogate
-    (the released scripts), `"luffy"` with -A * p / (p + 0.1) instead (LUFFY's shaping, the paper's text);
+    (the released scripts), `"luffy"` with -A * p / (p + gamma) instead (LUFFY's shaping, the paper's text:
+    our `signals.LuffyShaping` term, its `expert_loss`);
   - HBG: the `hbg` rows before them sample from the dataset's `hinted_prompt` column (e.g.
     `supervision.hint` in a system message) and train on the plain prompt: their prompt ids are the plain
     ones, so TRL's old log-probs, where it computes them, are the hint-free ones (first ratio 1);
+  - or the signal objects `toolcollapse rl` runs: `signals=[OPS(cfg), HBG(cfg)]` lay out the groups from their
+    `rows()` (`signals.row_kinds`, as ours) and shape the expert rows with OPS's own term;
   - expert and hinted rows stay out of `ctrl/*`, the four states and the failures ETS collects;
     with TRL's generation OPS and HBG take text prompts (multi-turn, any prompt: `engine_rollouts`).
 - `train_interleaved`: ETS and PRS with TRL's own trainers, GRPO rounds and `SFTTrainer` phases on the

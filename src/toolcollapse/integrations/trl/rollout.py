@@ -12,7 +12,8 @@ from toolcollapse.evaluate import sampling_params
 from toolcollapse.integrations.trl._common import _generation_model
 from toolcollapse.integrations.trl.environment import task_rows
 from toolcollapse.rollout import RolloutEngine
-from toolcollapse.supervision import load_hint_writer, with_hint, without_hint
+from toolcollapse.signals import HBG
+from toolcollapse.supervision import without_hint
 
 
 def task_dataset(cfg: RunConfig, split: str = "train", n: int | None = None) -> Any:
@@ -27,6 +28,50 @@ def _prompt_key(prompt: Any) -> int:
     return hash(tuple((m["role"], m["content"]) for m in prompt))
 
 
+def _check_trainer(trainer: Any, temperature: float) -> None:
+    if abs(trainer.temperature - temperature) > 1e-9:
+        raise ValueError(f"engine_rollouts: GRPOConfig.temperature {trainer.temperature} differs from the run "
+                         f"config's rollout.temperature {temperature}; set them equal")
+    deepspeed = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    if getattr(trainer, "is_fsdp_enabled", False) or (
+            deepspeed is not None and deepspeed.zero_stage == 3 and not trainer.args.ds3_gather_for_generation):
+        # each forward there is a collective, and the engine's number of forwards differs across ranks
+        raise ValueError("engine_rollouts runs the whole model on each rank: use DDP or DeepSpeed ZeRO (with "
+                         "ZeRO-3, ds3_gather_for_generation=True), not FSDP")
+
+
+class TaskPool:
+    """The tasks a `rollout_func` plays, looked up by a row's task_id or, without one, by its prompt."""
+
+    def __init__(self, tasks: Sequence[Any]):
+        self.by_id = {t.id: t for t in tasks}
+        self.by_prompt: dict[int, Any] = {}
+        for t in tasks:  # two tasks with one prompt: only the rows' task_id can tell them apart
+            key = _prompt_key([{"role": m.role, "content": m.content} for m in t.prompt])
+            self.by_prompt[key] = None if key in self.by_prompt else t
+
+    def check(self, data: Any, split: str) -> None:
+        """Every row of a training dataset is one of the tasks."""
+        ids = data["task_id"] if "task_id" in (data.column_names or ()) else None
+        unknown = ([i for i in ids if i not in self.by_id] if ids is not None else
+                   [p for p in data["prompt"] if self.by_prompt.get(_prompt_key(p)) is None])
+        if unknown:
+            raise ValueError(f"engine_rollouts: {len(unknown)} rows of the training dataset are none of the tasks' "
+                             f"(build it with task_dataset(cfg, {split!r}), or pass the tasks; rows whose prompts "
+                             "are equal need a task_id column)")
+
+    def rows(self, prompts: list[Any], inputs: list[dict[str, Any]] | None) -> list[Any]:
+        """The batch's tasks (`inputs`: a MonitoredGRPOTrainer's rows, with their task_id)."""
+        if inputs is not None and len(inputs) == len(prompts) and all("task_id" in x for x in inputs):
+            rows = [self.by_id.get(x["task_id"]) for x in inputs]
+        else:
+            rows = [self.by_prompt.get(_prompt_key(p)) for p in prompts]
+        if any(t is None for t in rows):
+            raise ValueError("engine_rollouts: a row that is none of the tasks' (rows whose prompts are equal need "
+                             "their task_id and a MonitoredGRPOTrainer)")
+        return rows
+
+
 def engine_rollouts(cfg: RunConfig, tokenizer: Any, split: str = "train", tasks: Sequence[Any] | None = None) -> Any:
     """A TRL `rollout_func` in which toolcollapse's own engine plays the batch's episodes, on any of our
     environments (`cfg.env`): the tool world, and BFCL multi-turn, whose later user turns TRL's tool loop
@@ -39,47 +84,20 @@ def engine_rollouts(cfg: RunConfig, tokenizer: Any, split: str = "train", tasks:
     reward functions `success` (the environment's verdict: `episode_success`) and `finish`. The OPS rows of
     a `MonitoredGRPOTrainer` (`ops`) are the task's ground truth replayed, its tool replies really run
     (`RolloutEngine.replay`, as `toolcollapse rl` builds OPS's expert rows); its HBG rows (`hbg`) sample
-    with the hint `supervision.hbg` templates from the ground truth (its `level`, `calls`) in the system
+    with the hint of the trainer's HBG signal, or else the run config's (`signals.HBG`) in the system
     message and return the hint-free prompt to train on, as `rl` does (`signals.group_rollouts`)."""
     env = make_env(cfg)
-    pool = list(tasks if tasks is not None else env.tasks(split))
-    by_id = {t.id: t for t in pool}
-    writers: dict[str, Any] = {}  # HBG's hint writer, once a batch has hinted rows
-    index: dict[int, Any] = {}
-    for t in pool:  # two tasks with one prompt: only the rows' task_id can tell them apart
-        key = _prompt_key([{"role": m.role, "content": m.content} for m in t.prompt])
-        index[key] = None if key in index else t
+    pool = TaskPool(tasks if tasks is not None else env.tasks(split))
+    signals: dict[str, HBG] = {}  # the HBG signal (its hint writer), once a batch has hinted rows
     params = sampling_params(cfg, greedy=False)
     checked: set[int] = set()  # the training datasets already checked against the tasks
 
     def rollout(prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
-        if abs(trainer.temperature - params.temperature) > 1e-9:
-            raise ValueError(f"engine_rollouts: GRPOConfig.temperature {trainer.temperature} differs from the run "
-                             f"config's rollout.temperature {params.temperature}; set them equal")
-        deepspeed = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-        if getattr(trainer, "is_fsdp_enabled", False) or (
-                deepspeed is not None and deepspeed.zero_stage == 3 and not trainer.args.ds3_gather_for_generation):
-            # each forward there is a collective, and the engine's number of forwards differs across ranks
-            raise ValueError("engine_rollouts runs the whole model on each rank: use DDP or DeepSpeed ZeRO (with "
-                             "ZeRO-3, ds3_gather_for_generation=True), not FSDP")
+        _check_trainer(trainer, params.temperature)
         if id(trainer.train_dataset) not in checked:  # the whole dataset at once, on every rank alike: a row
             checked.add(id(trainer.train_dataset))      # unknown to one rank's batch only would hang the others
-            data = trainer.train_dataset
-            ids = data["task_id"] if "task_id" in (data.column_names or ()) else None
-            unknown = ([i for i in ids if i not in by_id] if ids is not None else
-                       [p for p in data["prompt"] if index.get(_prompt_key(p)) is None])
-            if unknown:
-                raise ValueError(f"engine_rollouts: {len(unknown)} rows of the training dataset are none of the tasks' "
-                                 f"(build it with task_dataset(cfg, {split!r}), or pass the tasks; rows whose prompts "
-                                 "are equal need a task_id column)")
-        inputs = getattr(trainer, "_inputs", None)  # a MonitoredGRPOTrainer's rows: their task_id
-        if inputs is not None and len(inputs) == len(prompts) and all("task_id" in x for x in inputs):
-            rows = [by_id.get(x["task_id"]) for x in inputs]
-        else:
-            rows = [index.get(_prompt_key(p)) for p in prompts]
-        if any(t is None for t in rows):
-            raise ValueError("engine_rollouts: a row that is none of the tasks' (rows whose prompts are equal need "
-                             "their task_id and a MonitoredGRPOTrainer)")
+            pool.check(trainer.train_dataset, split)
+        rows = pool.rows(prompts, getattr(trainer, "_inputs", None))
 
         def flags(name: str) -> list[bool]:  # a MonitoredGRPOTrainer's OPS / HBG rows of this batch
             value = getattr(trainer, name, None)
@@ -87,9 +105,12 @@ def engine_rollouts(cfg: RunConfig, tokenizer: Any, split: str = "train", tasks:
 
         expert, hinted = flags("_expert"), flags("_hinted")
         sampled = [i for i, e in enumerate(expert) if not e]
-        if any(hinted) and "hints" not in writers:  # the config's hint writer, loaded (and asked once) at first use
-            writers["hints"] = load_hint_writer(cfg.supervision.hbg)
-        prompts = [with_hint(rows[i], writers["hints"](rows[i])) if hinted[i] else rows[i] for i in sampled]
+        hint = getattr(trainer, "hint_prompt", None)  # the trainer's HBG signal's, when it was given one
+        if any(hinted) and hint is None:
+            if "hbg" not in signals:  # the config's hint writer, loaded (and asked once) at first use
+                signals["hbg"] = HBG(cfg)
+            hint = signals["hbg"].hinted
+        prompts = [hint(rows[i]) if hinted[i] else rows[i] for i in sampled]
         # G contiguous rows of a prompt: one prefill, its cache repeated (the engine's groups)
         runs = [len(list(g)) for _, g in itertools.groupby((rows[i].id, hinted[i]) for i in sampled)]
         group = runs[0] if runs and len(set(runs)) == 1 else 1

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -17,10 +17,9 @@ from toolcollapse.integrations.trl.callback import ControlTokenCallback
 from toolcollapse.integrations.trl.environment import speak_toolcollapse_chat
 from toolcollapse.integrations.trl.interleaved import rollout_episode, tag_of_ids
 from toolcollapse.integrations.trl.stats import Supervision, TermSums, TurnStates, rejected_controls
-from toolcollapse.losses import luffy_loss
 from toolcollapse.monitor import SampledTokens, resolve_token_ids
 from toolcollapse.records import PolicyBatch
-from toolcollapse.signals import LossTerm, OptimizerStep, Rows, Signal, Step, Unlikelihood, row_kinds
+from toolcollapse.signals import LossTerm, LuffyShaping, OptimizerStep, Rows, Signal, Step, Unlikelihood, row_kinds
 from toolcollapse.signals.sft_term import reference_nll
 
 
@@ -40,13 +39,17 @@ class MonitoredGRPOTrainer(GRPOTrainer):
         dataset: the ground-truth completion of the row's prompt, in the chat format the policy writes.
         `call_end`: for a toolcollapse model in TRL's tool loop, who writes a call turn's <|im_end|> -- the
         template (the default of our SFT: `</tool_call>` ends the turn) or the model (`sampled`).
-        `signals`: supervision signals (`toolcollapse.signals.Signal`, ours or one's own) whose loss terms run
-        in this trainer's update: for each generation batch their `terms(Step)` (the step's rollouts as our
-        Episodes, their row kinds), and in every micro-batch each term's `forward_loss` (on TRL's log-probs
-        of the sampled tokens) over the accumulation steps, as TRL's own auxiliary loss; their metrics are
-        logged, the terms' summed over ranks. Unlikelihood (`unlikelihood_coef`) is such a term, the one our
-        trainer uses. A term that reshapes the surrogate or runs a forward of its own is refused: OPS and
-        the SFT term are this trainer's `ops` and `sft_coef`."""
+        `signals`: supervision signals (`toolcollapse.signals.Signal`, ours or one's own), the objects our
+        trainer runs: their `rows()` join each group (OPS's expert rows, as `ops`; HBG's hinted rows, as
+        `hbg`, sampled from the signal's prompt under `engine_rollouts`), and their loss terms run in this
+        trainer's update: for each generation batch their `terms(Step)` (the step's rollouts as our Episodes,
+        their row kinds), and in every micro-batch each term's `forward_loss` (on TRL's log-probs of the
+        sampled tokens) over the accumulation steps, as TRL's own auxiliary loss, and its `expert_loss` on
+        the expert rows in place of TRL's surrogate there (OPS's LUFFY shaping); their metrics are logged,
+        the terms' summed over ranks. `unlikelihood_coef` and `ops_shaping="luffy"` are such terms. Refused:
+        a term with its own `token_loss` or `backward` (a forward of its own: the SFT term is `sft_coef`), a
+        signal that needs our loop (`start`, `on_alarm`: ETS and PRS are `train_interleaved`'s rounds;
+        unlikelihood is `unlikelihood_coef`; adaptive is not supported). `after_update` is not called here."""
         self._call_end_id: int | None = None
         tokenizer, model = kwargs.get("processing_class"), kwargs.get("model", args[0] if args else None)
         if kwargs.get("tools") or kwargs.get("environment_factory"):
@@ -77,26 +80,51 @@ class MonitoredGRPOTrainer(GRPOTrainer):
         self.checkpoint_subdir: str | None = None
         if ops_shaping not in ("luffy", "none"):
             raise ValueError(f"ops_shaping {ops_shaping!r}: luffy or none")
-        if ops < 0 or hbg < 0 or ops + hbg >= self.num_generations:
-            raise ValueError(f"ops={ops}, hbg={hbg}: a group of num_generations={self.num_generations} keeps at least "
-                             "one row of the policy's own")
-        if hbg and self.rollout_func is None and hint_column not in (self.train_dataset.column_names or ()):
-            raise ValueError(f"hbg needs the training dataset's {hint_column!r} column (each prompt with its hint); "
-                             f"it has {self.train_dataset.column_names}")
-        if ops and self.use_vllm:
-            raise ValueError("ops with use_vllm: the expert rows have no vLLM sampling log-probs; not supported yet")
-        if (sft_coef > 0 or (ops and self.rollout_func is None)) and reference_column not in (
-                self.train_dataset.column_names or ()):
-            raise ValueError(f"sft_coef and ops need the training dataset's {reference_column!r} column (the "
-                             f"ground-truth completion of each prompt); it has {self.train_dataset.column_names}")
-        self.ops, self.ops_shaping, self.luffy_gamma = ops, ops_shaping, luffy_gamma
-        self.hbg, self.hint_column = hbg, hint_column
+        self._shaping = [LuffyShaping(luffy_gamma)] if ops and ops_shaping == "luffy" else []
+        self.hint_prompt: Callable[[Any], Any] | None = None  # a signal's hinted prompt (`engine_rollouts`)
+        ops, hbg = self._signal_rows(ops, hbg)
+        self._check_supervision(sft_coef, ops, hbg, reference_column, hint_column)
+        self.ops, self.hbg, self.hint_column = ops, hbg, hint_column
         self._layout = row_kinds(self.num_generations, [Rows("hinted", hbg), Rows("expert", ops)])  # as ours
         self._inputs: list[dict[str, Any]] = []  # the generation batch's rows, for `_generate`
         self._expert = self._hinted = torch.zeros(0, dtype=torch.bool)
         self.monitor = monitor.attach(self) if monitor else None
         self._captured: tuple[torch.Tensor, torch.Tensor] | None = None
         self._capture = False
+
+    def _signal_rows(self, ops: int, hbg: int) -> tuple[int, int]:
+        """The signals checked, and their rows added to `ops` and `hbg`."""
+        for signal in self.signals:
+            needs = [hook for hook in ("start", "on_alarm") if getattr(type(signal), hook) is not getattr(Signal, hook)]
+            if needs:
+                raise ValueError(f"signal {type(signal).__name__} needs our loop's {needs}, which TRL's trainer does not "
+                                 "run: ETS and PRS are train_interleaved's rounds, unlikelihood is unlikelihood_coef, "
+                                 "the SFT term is sft_coef; the adaptive schedule is toolcollapse rl's")
+            rows = signal.rows()
+            if rows is None:
+                continue
+            if (rows.kind == "expert" and ops) or (rows.kind == "hinted" and hbg):
+                raise ValueError(f"{rows.kind} rows from both {type(signal).__name__} and the trainer's "
+                                 f"{'ops' if rows.kind == 'expert' else 'hbg'}: pick one")
+            if rows.kind == "expert":
+                ops = rows.n
+            else:
+                hbg, self.hint_prompt = rows.n, rows.prompt
+        return ops, hbg
+
+    def _check_supervision(self, sft_coef: float, ops: int, hbg: int, reference_column: str, hint_column: str) -> None:
+        columns = self.train_dataset.column_names or ()
+        if ops < 0 or hbg < 0 or ops + hbg >= self.num_generations:
+            raise ValueError(f"ops={ops}, hbg={hbg}: a group of num_generations={self.num_generations} keeps at least "
+                             "one row of the policy's own")
+        if hbg and self.rollout_func is None and hint_column not in columns:
+            raise ValueError(f"hbg needs the training dataset's {hint_column!r} column (each prompt with its hint); "
+                             f"it has {self.train_dataset.column_names}")
+        if ops and self.use_vllm:
+            raise ValueError("ops with use_vllm: the expert rows have no vLLM sampling log-probs; not supported yet")
+        if (sft_coef > 0 or (ops and self.rollout_func is None)) and reference_column not in columns:
+            raise ValueError(f"sft_coef and ops need the training dataset's {reference_column!r} column (the "
+                             f"ground-truth completion of each prompt); it has {self.train_dataset.column_names}")
 
     def _get_output_dir(self, trial: Any) -> str:  # transformers' hook for where checkpoints are saved and rotated
         root = super()._get_output_dir(trial)
@@ -170,7 +198,9 @@ class MonitoredGRPOTrainer(GRPOTrainer):
 
     def _signal_terms(self, inputs: list[dict[str, Any]], out: dict[str, Any], mask: torch.Tensor) -> list[LossTerm]:
         """The generation batch's loss terms: unlikelihood's, then each signal's `terms` of this batch's Step."""
-        terms: list[LossTerm] = [Unlikelihood(self.unlikelihood_coef, None)] if self.unlikelihood_coef > 0 else []
+        terms: list[LossTerm] = list(self._shaping)
+        if self.unlikelihood_coef > 0:
+            terms.append(Unlikelihood(self.unlikelihood_coef, None))
         if not self.signals:
             return terms
         kinds = ["expert" if e else "hinted" if h else "policy"
@@ -191,6 +221,9 @@ class MonitoredGRPOTrainer(GRPOTrainer):
                     raise ValueError(f"{type(signal).__name__}'s term {type(term).__name__} defines {own}: TRL's "
                                      "update runs a term's forward_loss only")
                 terms.append(term)
+        if len([t for t in terms if _shapes(t)]) > 1:
+            raise ValueError(f"{[type(t).__name__ for t in terms if _shapes(t)]}: more than one term reshapes the "
+                             "expert rows' loss")
         return terms
 
     def _term_losses(self, inputs: dict[str, Any], logp: torch.Tensor, old: torch.Tensor) -> torch.Tensor | None:
@@ -290,9 +323,11 @@ class MonitoredGRPOTrainer(GRPOTrainer):
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
         training = self.model.training
         expert = inputs["expert"] if training else None
-        luffy = training and self.ops_shaping == "luffy" and bool(expert.any())
-        # LUFFY: TRL's surrogate on the policy's rows only (through tool_mask, which masks the loss alone: the
-        # completion mask is also the forward's attention mask); the expert rows' shaped loss is added below
+        shaping = next((t for t in self._terms if _shapes(t)), None) if training else None
+        luffy = shaping is not None and bool(expert.any())
+        # a term's expert_loss (OPS's LUFFY): TRL's surrogate on the policy's rows only (through tool_mask, which
+        # masks the loss alone: the completion mask is also the forward's attention mask); the expert rows'
+        # shaped loss is added below
         seen = inputs
         if luffy:
             own = (~expert[:, None]).expand_as(inputs["completion_mask"]).to(inputs["completion_mask"].dtype)
@@ -316,7 +351,7 @@ class MonitoredGRPOTrainer(GRPOTrainer):
                 rows = inputs["completion_mask"].bool() & expert[:, None]
                 advantages = inputs["advantages"]
                 advantages = advantages[:, None].expand_as(logp) if advantages.dim() == 1 else advantages
-                shaped = luffy_loss(logp[rows], advantages[rows], self.luffy_gamma)
+                shaped = shaping.expert_loss(logp[rows], advantages[rows])
                 self.supervision.count("expert_loss_sum", shaped.detach().sum().item())
                 self.supervision.count("expert_tokens", shaped.numel())
                 # weighted as TRL weighs the policy's tokens: with dapo (TRL's default) by the generation batch's
@@ -346,3 +381,8 @@ class MonitoredGRPOTrainer(GRPOTrainer):
                 step = self.monitor.step_offset + self.state.global_step - 1
                 self.control = self.monitor.observe(step, stats, self.args, self.control)
         super().log(logs, start_time)
+
+
+def _shapes(term: LossTerm) -> bool:
+    """Whether a term puts its own loss on the expert rows' tokens (`LossTerm.expert_loss`)."""
+    return type(term).expert_loss is not LossTerm.expert_loss
