@@ -409,7 +409,7 @@ def run_autopsy(path: str | Path, tokenizer_path: str | Path, fmt: DumpFormat = 
                 tools_path: str | Path | None = None,
                 batch_size: int | None = None) -> tuple[list[dict[str, float]], list[str]]:
     """Load a dump and a local tokenizer, autopsy it: (rows, notes) for `format_autopsy`."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # here: reading and checking a dump needs no torch, so a bad file is refused at once
 
     dump = load_dump(path, fmt, batch_size)
     tools = load_tools(tools_path) if tools_path is not None else None

@@ -17,6 +17,7 @@ identity, the messages and the sampling parameters, so a resumed run or a second
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import threading
@@ -24,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+import torch
 
 from toolcollapse.config import ChatModelConfig, ConfigError
 from toolcollapse.model import load_model, load_tokenizer
@@ -144,8 +147,6 @@ def answering_chat_model(spec: ChatModelConfig) -> ChatModel:
 
 def from_factory(spec: ChatModelConfig, key: str) -> Any:
     """What `spec.factory` ("package.module:callable", zero arguments) returns; `key` names the config field."""
-    import importlib
-
     module, _, name = spec.factory.partition(":")
     try:
         factory = getattr(importlib.import_module(module), name)
@@ -198,8 +199,6 @@ def _openai_ask(spec: ChatModelConfig) -> Callable[[Messages], Reply]:
 
 
 def _hf_ask(spec: ChatModelConfig) -> Callable[[Messages], Reply]:
-    import torch
-
     path = resolve_source(spec.source)
     tokenizer, model = load_tokenizer(path), load_model(path).eval()
     if tokenizer.chat_template is None:

@@ -28,6 +28,7 @@ import dataclasses
 import json
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
@@ -263,8 +264,6 @@ class LLMJudge:
 
     def many(self, items: Sequence[tuple[Task, Episode]], decode: Callable[[Sequence[int]], str]) -> list[Verdict]:
         """Verdicts on many failures, `concurrency` calls in flight (a server's batch), in their order."""
-        from concurrent.futures import ThreadPoolExecutor
-
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
             return list(pool.map(lambda item: self(item[0], item[1], decode), items))
 

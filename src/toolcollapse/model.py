@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from transformers import (AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM,
                           PreTrainedModel)
 
@@ -100,8 +101,6 @@ def load_tokenizer(path: str | Path) -> Any:
 
 def _file_fault(path: Path) -> str:
     """Which weight file of a checkpoint directory is unreadable, and why ('' if none is)."""
-    from safetensors import safe_open
-
     for file in sorted(path.glob("*.safetensors")):
         try:
             with safe_open(file, "pt") as f:

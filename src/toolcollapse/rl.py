@@ -129,14 +129,16 @@ class AlarmContext:
 AlarmHandler = Callable[[list[Alarm], AlarmContext], None]
 
 
-def config_handler(action: str) -> AlarmHandler:
-    """monitor.on_alarm: `log` (alarms are always printed and written to alarms.jsonl), `checkpoint`, `stop`."""
+def config_handler(monitor: Monitor) -> AlarmHandler:
+    """monitor.on_alarm: `log` (alarms are always printed and written to alarms.jsonl), `checkpoint`, `stop`
+    (`Monitor.actions`, what TRL's callback does too)."""
+    checkpoint, stop = monitor.actions()
 
     def handle(alarms: list[Alarm], ctx: AlarmContext) -> None:
-        if action in ("checkpoint", "stop"):
+        if checkpoint:
             path = ctx.save_checkpoint()
             tqdm.write(f"rl: checkpoint on alarm: {path} (after this step)")
-        ctx.stop = action == "stop"
+        ctx.stop = stop
 
     return handle
 
@@ -276,19 +278,20 @@ def start_run(cfg: RunConfig, run_dir: Path, resume: bool, signals: list[Signal]
     truncate_logs(run_dir, start)
     writer = open_tensorboard(run_dir, start)
     rows = read_jsonl(run_dir / "metrics.jsonl") if start else []
-    handler = on_alarm or next((h for h in (sig.on_alarm() for sig in signals) if h is not None),
-                               config_handler(cfg.monitor.on_alarm))
     env = make_env(cfg)
     order = task_order(env.tasks(g.split, g.pool_size), cfg.seed)
     monitor = Monitor.for_run(cfg, env, tokenizer)
     monitor.replay(rows)  # a resumed run does not re-alarm on the steps it took
+    handler = on_alarm or next((h for h in (sig.on_alarm() for sig in signals) if h is not None),
+                               config_handler(monitor))
     engine = RolloutEngine.from_config(model, tokenizer, env, cfg.rollout)
     engine.prefixes = PrefixCache(model)
     phases = PhaseRunner(run_dir, model, engine.encoder, {t.id: t for t in order}, cfg, read_failures(run_dir),
                          optimizer, decode=engine.decode,
                          generation_prompt_len=len(engine.encoder.encode(generation_prompt())[0]))
     run = Run(cfg, run_dir, model, ref_model, tokenizer, optimizer, engine, phases, signals, order, monitor,
-              env.tasks(cfg.eval.split, g.eval_n) if g.eval_every else [], handler, writer, start, fresh=not done, rows=rows, sft_tokens_total=sft_tokens_so_far(rows))
+              env.tasks(cfg.eval.split, g.eval_n) if g.eval_every else [], handler, writer, start, fresh=not done,
+              rows=rows, sft_tokens_total=sft_tokens_so_far(rows))
     for signal in signals:
         signal.start(run)
     model.train()

@@ -30,7 +30,7 @@ def seed_everything(seed: int) -> None:
 
 def set_threads(threads: int | None) -> None:
     if threads:
-        import torch
+        import torch  # (as in seed_everything)
 
         torch.set_num_threads(threads)
 

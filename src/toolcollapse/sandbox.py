@@ -20,8 +20,10 @@ about 0.1 s, and a call costs about 0.1 ms more than in-process.
 
 from __future__ import annotations
 
+import importlib
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -268,11 +270,9 @@ def _serve(conn: Connection, parent: int) -> None:
 def _die_with_parent() -> int:
     """Linux: the kernel sends this process SIGKILL when its parent dies, however it dies (the socket's EOF would
     end the loop too, but not while a call runs); then a check that the parent did not die before that."""
-    import signal
-
     parent = os.getppid()
     if sys.platform.startswith("linux"):
-        import ctypes
+        import ctypes  # (Linux only, as prctl)
 
         PR_SET_PDEATHSIG = 1
         try:
@@ -285,13 +285,10 @@ def _die_with_parent() -> int:
 
 
 def main() -> None:
-    import resource
-    import signal
+    import resource  # here: POSIX only, and only the sandbox's own process needs it
 
     parent = _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; EOF ends the child
-    import importlib
-
     for module in sys.argv[2:]:  # before the memory cap and the first call's clock
         importlib.import_module(module)
     limit = int(os.environ.get("TOOLCOLLAPSE_SANDBOX_MEMORY_MB", "2048")) * 2**20

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from toolcollapse.config import ConfigError, LoraConfig
 from toolcollapse.model import load_model
@@ -118,7 +119,6 @@ def smollm2_dir(cache_dir: str | None = None) -> Path:
 def convert_gguf(gguf_path: Path, target: Path) -> Path:
     """Dequantise a GGUF file into a float32 `save_pretrained` directory (written atomically)."""
     require("gguf", f"loading {gguf_path.name}")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"model: converting {gguf_path} to float32 (once) -> {target}")
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
@@ -139,8 +139,6 @@ def convert_gguf(gguf_path: Path, target: Path) -> Path:
 
 def load_pretrained(source: str, cache_dir: str | None = None, lora: LoraConfig = LoraConfig()) -> Prepared:
     """Model and tokenizer of a pretrained source, ready for toolcollapse's ChatML."""
-    from transformers import AutoTokenizer
-
 
     path = resolve_source(source, cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(path)

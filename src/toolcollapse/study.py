@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from toolcollapse.checkpoint import complete_checkpoints
 from toolcollapse.config import ConfigError, RunConfig, dump_config, first_difference, load_config
 from toolcollapse.report import write_provenance, write_report
@@ -150,8 +152,6 @@ def check_trained_by(checkpoint: Path, sft: RunConfig, source: str) -> None:
 
 def run_study(plan: StudyPlan) -> Path:
     """Run the study's stages; the report's path."""
-    from tqdm import tqdm
-
     study, specs = plan.study, plan.specs
     lock_dir(study.out_dir, "study")
     Path(study.out_dir).mkdir(parents=True, exist_ok=True)

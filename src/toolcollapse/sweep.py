@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
 
+from transformers.utils import logging as hf_logging
+
 from toolcollapse.checkpoint import complete_checkpoints
 from toolcollapse.config import (
     Checked,
@@ -367,8 +369,6 @@ def _run_on_ray(jobs: list[tuple], sweep: SweepConfig, report: Callable[[str], N
 
 
 def _run_one(job: tuple[RunSpec | None, SweepConfig, bool, str]) -> str:
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()
     spec, sweep, quiet, cwd = job
     if not os.path.isdir(cwd):

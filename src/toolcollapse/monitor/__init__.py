@@ -61,6 +61,11 @@ class Monitor:
             if "adaptive/recovery" in row:
                 self.rearm()
 
+    def actions(self) -> tuple[bool, bool]:
+        """What an alarm asks of the trainer (`monitor.on_alarm`): (a checkpoint, a stop). `log` asks neither:
+        every alarm is printed and written to alarms.jsonl whatever the action."""
+        return self.cfg.on_alarm in ("checkpoint", "stop"), self.cfg.on_alarm == "stop"
+
     @property
     def alarms(self) -> list[Alarm]:
         return self.watcher.alarms

@@ -10,6 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import PartialState
+from accelerate.utils import broadcast_object_list, gather, pad_across_processes
+from trl.models.utils import unwrap_model_for_generation
 
 ALARMS = "alarms.jsonl"  # in the trainer's output_dir: one line per alarm, with the action taken
 MONITOR = "monitor.jsonl"  # ... one line per probe and per log: the series with their step, 0-based as in rl's
@@ -19,8 +22,6 @@ MONITOR_CONFIG = "monitor.yaml"  # ... the MonitorConfig the rules came from (wh
 
 def _append(out_dir: str, name: str, row: Mapping[str, Any]) -> None:
     """One JSON line in <out_dir>/<name>, written by the main process only."""
-    from accelerate import PartialState
-
     if PartialState().is_main_process:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         with open(Path(out_dir) / name, "a") as f:
@@ -48,9 +49,6 @@ def _sampled_runs(mask: Sequence[Any]) -> list[tuple[int, int]]:
 
 def _gather_rows(rows: torch.Tensor) -> torch.Tensor:
     """Every rank's [n_i, k] rows, concatenated in rank order on every rank (n_i may differ, and be 0)."""
-    from accelerate import PartialState
-    from accelerate.utils import gather, pad_across_processes
-
     if PartialState().num_processes == 1:
         return rows
     device = PartialState().device
@@ -62,9 +60,6 @@ def _gather_rows(rows: torch.Tensor) -> torch.Tensor:
 
 def _from_rank_zero(value: Any) -> Any:
     """Rank 0's `value` on every rank."""
-    from accelerate import PartialState
-    from accelerate.utils import broadcast_object_list
-
     if PartialState().num_processes == 1:
         return value
     box = [value]
@@ -77,8 +72,6 @@ def _generation_model(trainer: Any) -> Iterator[Any]:
     """The trainer's plain model, whole, as TRL's own generation takes it (grpo_trainer.py, transformers
     path): `unwrap_model_for_generation` (ZeRO-3 gathers the shards) and FSDP's full parameters. Every
     rank must enter (the gathers are collectives)."""
-    from trl.models.utils import unwrap_model_for_generation
-
     t, args = trainer, trainer.args
     dist = getattr(t, "_dist", None)
     with (unwrap_model_for_generation(t.model_wrapped, t.accelerator,

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
+from accelerate import PartialState
+
 
 from toolcollapse.alarms import Alarm
 from toolcollapse.config import MonitorConfig, RunConfig, dump_config
@@ -54,8 +56,6 @@ class ControlTokenCallback(TrainerCallback):
         return self
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        from accelerate import PartialState
-
         if PartialState().is_main_process:
             Path(args.output_dir).mkdir(parents=True, exist_ok=True)
             dump_config(self.monitor, Path(args.output_dir) / MONITOR_CONFIG)
@@ -103,10 +103,9 @@ class ControlTokenCallback(TrainerCallback):
             _append(args.output_dir, ALARMS, Monitor.record(a, action=self.monitor.on_alarm))
         if not alarms:
             return control
-        if self.monitor.on_alarm in ("checkpoint", "stop"):
-            control.should_save = True
-        if self.monitor.on_alarm == "stop":
-            control.should_training_stop = True
+        checkpoint, stop = self.watch.actions()  # as rl's `config_handler`
+        control.should_save = control.should_save or checkpoint
+        control.should_training_stop = control.should_training_stop or stop
         return control
 
     # -- logs ------------------------------------------------------------------------------------------

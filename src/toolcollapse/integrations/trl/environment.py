@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import inspect
 from collections.abc import Sequence
 from typing import Any
+
+from datasets import Dataset
+from trl.chat_template_utils import _SUPPORTS_RESPONSE_TEMPLATE, qwen3_schema, qwen3_template
 
 from toolcollapse.chat import CHAT_TEMPLATE, IM_END, stop_tags
 from toolcollapse.config import RunConfig
@@ -28,8 +32,6 @@ def speak_toolcollapse_chat(tokenizer: Any, model: Any, call_end: str = "templat
     it with an error and goes on), an unknown tool gets TRL's error text, arguments are typed by the tool's
     schema before the call (transformers >= 5.15), and no turn has a token cap of its own -- for our exact
     rollouts inside TRL, `engine_rollouts`. vLLM generation takes its end tokens elsewhere: refused."""
-    from trl.chat_template_utils import _SUPPORTS_RESPONSE_TEMPLATE, qwen3_schema, qwen3_template
-
     if getattr(tokenizer, "chat_template", None) != CHAT_TEMPLATE:
         return None
     if call_end not in ("template", "sampled"):
@@ -58,8 +60,6 @@ _JSON_TYPES = {"string": str, "number": float, "integer": int, "boolean": bool, 
 def _tool_method(spec: Any) -> Any:
     """A method `name(self, **arguments) -> str` whose signature, type hints and Google-style docstring say what
     `spec.parameters` (JSON schema) says, so `transformers.utils.get_json_schema` renders the same tool."""
-    import inspect
-
     props, required = spec.parameters.get("properties", {}), set(spec.parameters.get("required", ()))
 
     def method(self: Any, **arguments: Any) -> str:
@@ -134,8 +134,6 @@ def task_rows(tasks: Sequence[Any], system_prompt: bool = True) -> Any:
     """Our Tasks as TRL rows: `prompt` (the task's messages: its system prompt documenting the tools and the
     first user turn; without `system_prompt`, the user turn alone, for a chat template that renders the
     tools itself), `task_id` (what `engine_rollouts` and the environment's `reset` look up) and `answer`."""
-    from datasets import Dataset
-
     return Dataset.from_list([{"prompt": [{"role": m.role, "content": m.content}
                                           for m in (t.prompt if system_prompt else t.prompt[-1:])],
                                "task_id": t.id, "answer": t.answer} for t in tasks])

@@ -9,6 +9,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from accelerate import PartialState
+from accelerate.utils import gather_object
+from datasets import Dataset
+
 from toolcollapse.chat import PieceEncoder, generation_prompt
 from toolcollapse.config import RunConfig
 from toolcollapse.envs import make_env
@@ -40,9 +44,6 @@ def train_interleaved(make_grpo: Any, make_sft: Any, rounds: int, window: int,
     reference from the model it is given (the post-SFT one; ours keeps the initial model). A round stopped
     by an alarm (`monitor.on_alarm: stop`) ends the schedule. Returns the phases' records, also written to
     <output_dir>/phases.jsonl (default: the first GRPO trainer's output_dir)."""
-    from accelerate import PartialState
-    from accelerate.utils import gather_object
-
     phases: list[dict[str, Any]] = []
     offset = 0
     for round_ in range(rounds):
@@ -83,8 +84,6 @@ def train_interleaved(make_grpo: Any, make_sft: Any, rounds: int, window: int,
 def reference_rows(failures: list[dict[str, Any]], tokenizer: Any) -> tuple[Any, int, dict[str, float]]:
     """ETS's data from the failures' reference column: text prompt/completion rows (SFTTrainer trains the
     completion), their completion tokens, and no stats."""
-    from datasets import Dataset
-
     if any(f.get("reference") is None for f in failures):
         raise ValueError("ETS phases from reference rows need the training dataset's reference column; for our "
                          "environments pass phase_data=rl_phase_data(cfg, tokenizer)")
@@ -98,8 +97,6 @@ def reference_token_rows(failures: list[dict[str, Any]], tokenizer: Any) -> tupl
     (`prompt_ids`, kept by MonitoredGRPOTrainer) with its reference completion tokenized after them, trained
     on the completion only. Pre-tokenized rows (`input_ids`, `labels` -100 on the prompt), so any prompt
     works: text, or the messages of one's own conversations (`conversations.reference_rows`)."""
-    from datasets import Dataset
-
     if any(f.get("reference") is None or f.get("prompt_ids") is None for f in failures):
         raise ValueError("reference_token_rows needs each failure's reference (the dataset's reference column) and "
                          "prompt_ids (failures kept by MonitoredGRPOTrainer)")
@@ -162,8 +159,6 @@ def rl_phase_data(cfg: RunConfig, tokenizer: Any, prs_target: str | None = None,
     config's `supervision.prs.judge`), rebuilt with `rollout_episode`. Rows are pre-tokenized: `input_ids` and `labels`
     (-100 where the example trains nothing); SFTTrainer takes them as they are with `SFTConfig(max_length=
     None)` (its default, 1024, would cut long prompts such as BFCL's)."""
-    from datasets import Dataset
-
     if prs_target not in (None, "reflection", "correction"):
         raise ValueError(f"prs_target {prs_target!r}: None (ETS), reflection or correction")
     world, encoder = make_env(cfg), PieceEncoder(tokenizer, call_end)
