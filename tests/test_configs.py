@@ -11,6 +11,15 @@ from toolcollapse.sweep import load_sweep
 
 CONFIGS = sorted(p for p in Path("configs").rglob("*.yaml") if "trl" not in p.parts)  # trl/: accelerate's files
 NEEDS_OTHER_RUNS = {Path("configs/study/supervision_sft_only.yaml")}  # controls of configs/study/supervision.yaml
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def no_local_runs(tmp_path, monkeypatch):
+    """The files alone, whatever runs this checkout holds: from a directory with the repository's configs and no
+    runs/ (a finished study's selection.json or checkpoints there would change what a config loads to)."""
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    monkeypatch.chdir(tmp_path)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=str)
