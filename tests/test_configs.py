@@ -9,9 +9,10 @@ from toolcollapse.config import ConfigError, load_config
 from toolcollapse.study import StudyConfig
 from toolcollapse.sweep import load_sweep
 
-CONFIGS = sorted(p for p in Path("configs").rglob("*.yaml") if "trl" not in p.parts)  # trl/: accelerate's files
-NEEDS_OTHER_RUNS = {Path("configs/study/supervision_sft_only.yaml")}  # controls of configs/study/supervision.yaml
 ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted(p.relative_to(ROOT) for p in (ROOT / "configs").rglob("*.yaml")
+                 if "trl" not in p.parts)  # trl/: accelerate's files
+NEEDS_OTHER_RUNS = {Path("configs/study/supervision_sft_only.yaml")}  # controls of configs/study/supervision.yaml
 
 
 @pytest.fixture(autouse=True)

@@ -184,9 +184,13 @@ def test_the_forward_accumulators_reduce_alike_in_one_process_and_over_ranks():
 
     rollouts = [[parse_turn('<tool_call>{"name": "f", "arguments": {}}</tool_call>'), parse_turn("the answer<|im_end|>")],
                 [parse_turn("<tool_call>{oops</tool_call>")]]
-    alone, over_ranks = TurnCounts(), TurnCounts(gather=twice)
+    other = [[parse_turn("plain text, no end")]]  # a second rank's rollout: one more turn, unhealthy
+    theirs = TurnCounts()
+    theirs.add(other)
+    alone, over_ranks = TurnCounts(), TurnCounts(gather=lambda rows: torch.cat([rows, theirs.counts[None]]))
     alone.add(rollouts)
     over_ranks.add(rollouts)
-    assert alone.reduce() == over_ranks.reduce() == turn_rates(count_turns(rollouts))
-    assert turn_rates(count_turns(rollouts))["healthy_rate"] == pytest.approx(2 / 3)
-    assert TurnCounts().reduce() == {}
+    assert alone.reduce() == turn_rates(count_turns(rollouts))
+    assert alone.reduce() == {}  # (emptied)
+    assert over_ranks.reduce() == turn_rates(count_turns(rollouts + other))
+    assert turn_rates(count_turns(rollouts + other))["healthy_rate"] == pytest.approx(2 / 4)

@@ -81,7 +81,7 @@ def test_trl_refuses_a_signal_term_it_cannot_run(tmp_path, tiny_checkpoint):
     from toolcollapse.envs import make_env
     from toolcollapse.integrations.trl import MonitoredGRPOTrainer, engine_rollouts, episode_success, task_dataset
     from toolcollapse.model import load_model
-    from toolcollapse.signals import LossTerm, SFTTermSignal
+    from toolcollapse.signals import HBG, OPS, LossTerm, LuffyShaping, SFTTermSignal
 
     class Reweighting(LossTerm):
         def token_loss(self, pg, logp, adv, mb, seq_ids):
@@ -102,10 +102,26 @@ def test_trl_refuses_a_signal_term_it_cannot_run(tmp_path, tiny_checkpoint):
             processing_class=tokenizer, signals=[signal],
             rollout_func=engine_rollouts(cfg, tokenizer, tasks=make_env(cfg).tasks("train")[:2]))
 
+    class TwoShapings(Toy):
+        def terms(self, step):
+            return [LuffyShaping(0.1), LuffyShaping(0.2)]
+
     with pytest.raises(ValueError, match="Reweighting defines \\['token_loss'\\]"):
         trainer(Shaping(cfg)).train()
+    with pytest.raises(ValueError, match="more than one term reshapes the expert rows' loss"):
+        trainer(TwoShapings(cfg)).train()
     with pytest.raises(ValueError, match="SFTTermSignal needs our loop's \\['start'\\].*the SFT term is sft_coef"):
         trainer(SFTTermSignal(cfg))
+    ops = load_config("configs/tiny_rl.yaml", ["supervision.ops.enabled=true", "supervision.hbg.enabled=true"])
+    with pytest.raises(ValueError, match="expert rows from both OPS and the trainer's ops: pick one"):
+        MonitoredGRPOTrainer(model=load_model(tiny_checkpoint), reward_funcs=episode_success,
+                             args=_tool_world_args(tmp_path, num_generations=4), processing_class=tokenizer,
+                             train_dataset=task_dataset(cfg, "train", 2), ops=1, signals=[OPS(ops)],
+                             rollout_func=engine_rollouts(cfg, tokenizer, tasks=make_env(cfg).tasks("train")[:2]))
+    with pytest.raises(ValueError, match="HBG's hinted rows sample from its own prompt: that needs rollout_func"):
+        MonitoredGRPOTrainer(model=load_model(tiny_checkpoint), reward_funcs=episode_success,
+                             args=_tool_world_args(tmp_path, num_generations=4), processing_class=tokenizer,
+                             train_dataset=task_dataset(cfg, "train", 2), signals=[HBG(ops)])
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ One step:
 Every `monitor.probe_every` steps, after the rollouts and before the update (on the weights the
 rollouts sampled from, reading the system prompt's keys and values the rollouts ran), a fixed probe set
 of oracle conversations is teacher-forced through the policy and its control-token and content
-statistics are logged (monitor.py); every `grpo.eval_every` steps the policy runs greedily
+statistics are logged (monitor/); every `grpo.eval_every` steps the policy runs greedily
 on fixed `eval.split` tasks (`val/success`, `val/healthy_rate`: the skill, which the format
 can hide). The alarm rules watch each step's metrics (`monitor.Monitor`, the one TRL's callback
 feeds too; the rules: alarms.py): an alarm is printed,

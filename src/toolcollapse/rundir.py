@@ -9,7 +9,6 @@ import math
 from pathlib import Path
 from typing import Sequence
 
-from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 
 from toolcollapse.checkpoint import clean_partial, complete_checkpoints
@@ -93,6 +92,8 @@ def truncate_logs(run_dir: Path, start: int) -> None:
 
 
 def open_tensorboard(run_dir: Path, start: int):
+    from torch.utils.tensorboard import SummaryWriter  # here: 0.2 s that only a starting run needs (not sweep, study)
+
     return SummaryWriter(str(run_dir / "tb"), purge_step=start if start else None)
 
 

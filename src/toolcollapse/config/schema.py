@@ -399,7 +399,7 @@ class SupervisionConfig(Checked):
 
 @dataclass(frozen=True)
 class MonitorConfig(Checked):
-    """Control-token statistics (monitor.py)."""
+    """Control-token statistics (monitor/)."""
 
     probe_every: NonNegInt = 3  # teacher-force the probe set every N RL steps (0: never); docs/LOG.md 2026-12-05 (6)
     probe_size: NonNegInt = 32  # oracle conversations of the training split in the probe set
@@ -424,7 +424,7 @@ class MonitorConfig(Checked):
     alarm_floor: Fraction = 1e-3  # logodds: the probability a series must reach before it can fire
     alarm_min_scale: Positive = 0.005  # floor of the noise scale on the absolute scale (probabilities)
     alarm_logodds_min_scale: Positive = 0.25  # ... on the log-odds scale
-    # The skill (monitor.py, content): alarms on the probe's ground-truth log-prob of tool names, argument
+    # The skill (monitor/content.py): alarms on the probe's ground-truth log-prob of tool names, argument
     # values and answers, falling; their noise floor in nats
     content_alarms: bool = True
     # cusum: a fixed reference (the warm-up's values), so a slow steady fall adds up; a rolling robust z

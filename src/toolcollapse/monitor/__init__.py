@@ -3,8 +3,8 @@
   probe.py    the probe set: fixed oracle conversations teacher-forced through the policy, their control
               tokens' probabilities per grammar slot (`probe/*`); the slots and their statistics
   content.py  the same forward's content labels and statistics: the skill, not the format (`probe/content/*`)
-  forward.py  the training forward's own statistics (`ctrl/*`) and the turn states, with the accumulators
-              both trainers feed
+  forward.py  the training forward's own statistics (`ctrl/*`: `SampledTokens`, which both trainers' updates
+              feed) and TRL's running turn counts (`TurnCounts`, over `turn_stats`' functions)
   Monitor     (here) the probe and the alarm rules (alarms.py) over each step's metrics: `rl`'s loop and TRL's
               callback hold one each and feed it the same way
 """

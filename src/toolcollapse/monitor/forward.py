@@ -1,6 +1,7 @@
 """Statistics of a training step's own forward: the control tokens at the tokens the policy sampled (`ctrl/*`),
-their share of the gradient, and the turn states of the step's rollouts -- with the accumulators both
-trainers feed (`SampledTokens`, `TurnCounts`): ours over an RL step, TRL's over its ranks and logging window."""
+their share of the gradient, and the turn states of the step's rollouts. `SampledTokens` is what both trainers'
+updates feed (ours over an RL step, TRL's over its ranks and logging window); `TurnCounts` is TRL's running
+form of the `count_turns` and `turn_rates` our loop calls on a step's episodes (`turn_stats.rollout_stats`)."""
 
 from __future__ import annotations
 

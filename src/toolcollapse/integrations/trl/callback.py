@@ -7,9 +7,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from transformers import TrainerCallback
 from accelerate import PartialState
-
+from transformers import TrainerCallback
 
 from toolcollapse.alarms import Alarm
 from toolcollapse.config import MonitorConfig, RunConfig, dump_config

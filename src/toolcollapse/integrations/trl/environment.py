@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import inspect
+import json
 from collections.abc import Sequence
 from typing import Any
 

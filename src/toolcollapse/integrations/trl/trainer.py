@@ -106,6 +106,10 @@ class MonitoredGRPOTrainer(GRPOTrainer):
             if (rows.kind == "expert" and ops) or (rows.kind == "hinted" and hbg):
                 raise ValueError(f"{rows.kind} rows from both {type(signal).__name__} and the trainer's "
                                  f"{'ops' if rows.kind == 'expert' else 'hbg'}: pick one")
+            if rows.prompt is not None and self.rollout_func is None:
+                raise ValueError(f"{type(signal).__name__}'s {rows.kind} rows sample from its own prompt: that needs "
+                                 "rollout_func=engine_rollouts(...) (TRL's own generation takes hinted prompts from "
+                                 "the dataset's hint column: the trainer's hbg=)")
             if rows.kind == "expert":
                 ops = rows.n
             else:
