@@ -197,7 +197,10 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path, answering_c
     time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err, err[-2000:]
+    # the second Ctrl-C stops the step at once, or, when the step had already ended and its checkpoint was
+    # written, it is ignored while the process ends: exit 130 either way, never a traceback or a kill (-2)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
+    assert "interrupted" in err or "with a checkpoint; continue with" in out + err, (out + err)[-2000:]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])

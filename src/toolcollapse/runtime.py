@@ -195,8 +195,14 @@ class StopOnSignal:
         self._old = {}
 
     def exit(self, message: str) -> None:
-        """Print `message` (what to run to continue) and end the process with 128 + the signal's number."""
+        """Print `message` (what to run to continue) and end the process with 128 + the signal's number. A
+        further signal from here on is ignored (SIG_IGN, which the interpreter's shutdown keeps, where it resets
+        a Python handler to the default): the run has stopped with its checkpoint, and a second Ctrl-C just after
+        must not kill the ending process (exit -2, no message)."""
         self.restore()
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, signal.SIG_IGN)
         tqdm.write(message)
         raise SystemExit(128 + int(self.signum or 15))
 
