@@ -72,6 +72,55 @@ def test_one_batch_through_both_trainers_gives_equal_loss_terms_and_metric_keys(
     assert keys(trl_log) == keys(our_log) == ["sup/unlikelihood", "sup/unlikely_tokens", "toy/nll"]
 
 
+def test_unlikelihood_is_a_mean_over_the_optimizer_step_under_gradient_accumulation(tmp_path, tiny_checkpoint):
+    """One generation batch of 8 rows trained as one micro-batch or as two accumulated ones: the same gradient
+    (to 1e-5), as our update's unlikelihood is a mean over the optimizer step's rejected tokens, however its
+    micro-batches split them. The two micro-batches hold different counts, so a mean per micro-batch, averaged
+    over them, would not be."""
+    from transformers import AutoTokenizer, TrainerCallback
+
+    from toolcollapse.config import load_config
+    from toolcollapse.integrations.trl import MonitoredGRPOTrainer, engine_rollouts, episode_success, task_dataset
+    from toolcollapse.model import load_model
+
+    cfg = load_config("configs/tiny_rl.yaml", ["world.n_train=2000", "world.n_test=200", "world.n_ood=150",
+                                               "rollout.max_turns=3", "rollout.max_new_tokens=24"])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+
+    class Gradients(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            self.grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    class Counting(MonitoredGRPOTrainer):
+        def _term_losses(self, inputs, logp, old):
+            self.marked = [*getattr(self, "marked", []), int(inputs["unlikely"].sum())]
+            return super()._term_losses(inputs, logp, old)
+
+    def gradient(path, **split):
+        grads = Gradients()
+        trainer = _keeping(Counting)(
+            model=load_model(tiny_checkpoint), reward_funcs=episode_success, processing_class=tokenizer,
+            args=_tool_world_args(path, num_generations=4, max_grad_norm=0.0, **split),
+            train_dataset=task_dataset(cfg, "train", 2), callbacks=[grads], unlikelihood_coef=5.0,
+            rollout_func=engine_rollouts(cfg, tokenizer, tasks=_tasks(cfg)))
+        trainer.train()
+        return trainer, grads.grads
+
+    whole, g_whole = gradient(tmp_path / "whole", per_device_train_batch_size=8)
+    split, g_split = gradient(tmp_path / "split", per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    assert torch.equal(whole.saved[1]["completion_ids"], split.saved[1]["completion_ids"])  # the same rollouts
+    assert len(split.marked) == 2 and sum(split.marked) == whole.marked[0] > 0
+    assert split.marked[0] != split.marked[1]  # a mean per micro-batch would weigh their tokens differently
+    assert whole.state.log_history[0]["sup/unlikely_tokens"] == split.state.log_history[0]["sup/unlikely_tokens"]
+    assert (g_split - g_whole).norm() <= 1e-5 * g_whole.norm()
+
+
+def _tasks(cfg):
+    from toolcollapse.envs import make_env
+
+    return make_env(cfg).tasks("train")[:2]
+
+
 def test_trl_refuses_a_signal_term_it_cannot_run(tmp_path, tiny_checkpoint):
     """A term with a per-token loss of its own (not the expert rows' `expert_loss`) is not run in TRL's update: the
     first batch stops with an error naming the term; a signal that needs our loop's `start` is refused at once."""

@@ -23,6 +23,10 @@ class OptimizerStep:
     batch_rows: int  # the step's batch
     group_size: int
     last_pass: bool  # the last of `grpo.updates_per_batch` passes over the batch
+    # what a term's mean over the marked tokens (`batch.unlikely`) divides by; None: `batch`'s own count (ours:
+    # `batch` is the whole optimizer step). TRL's micro-batch is a part of one, its losses averaged over the
+    # accumulation steps: the step's count over its ranks and micro-batches, per micro-batch
+    marked_tokens: float | None = None
 
 
 class LossTerm:

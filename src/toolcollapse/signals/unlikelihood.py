@@ -17,22 +17,23 @@ from toolcollapse.supervision import unlikely_positions
 
 
 class Unlikelihood(LossTerm):
-    """coef * -log(1 - p) at the marked tokens, a mean over the optimizer step's (`begin`'s batch: ours, the
-    mini-batch; TRL's, the micro-batch, its terms then averaged over the accumulation steps as its own)."""
+    """coef * -log(1 - p) at the marked tokens, a mean over the optimizer step's (ours: `begin`'s batch, the
+    mini-batch; TRL's: its `marked_tokens`, so that the micro-batches of a step add up to the same mean)."""
 
     SUMS = ("unlikelihood", "tokens")  # over the last pass: the terms' sum and their tokens
 
     def __init__(self, coef: float, marked: Sequence[Sequence[int]]):
         super().__init__()
         self.coef, self.marked = coef, marked  # per row, the positions `build_batch` marks as `unlikely`
-        self.n = 0  # the optimizer step's rejected tokens
+        self.n: float = 0  # what the optimizer step's rejected tokens' sum divides by
         self.last_pass = False
 
     def begin(self, step: OptimizerStep) -> None:
-        self.n = int(step.batch.unlikely.sum()) if step.batch.unlikely is not None else 0
+        here = int(step.batch.unlikely.sum()) if step.batch.unlikely is not None else 0
+        self.n = here if step.marked_tokens is None else step.marked_tokens
         self.last_pass = step.last_pass
         if self.last_pass:
-            self.add(tokens=self.n)
+            self.add(tokens=here)
 
     def forward_loss(self, logp: torch.Tensor, mb: PolicyBatch) -> torch.Tensor | None:
         if not self.n:

@@ -192,6 +192,8 @@ class MonitoredGRPOTrainer(GRPOTrainer):
         self.turns.add(out["completion_ids"][own], mask[own])
         if self.unlikelihood_coef > 0:
             out["unlikely"] = rejected_controls(out["completion_ids"], mask, self.turns.id_to_tag)
+            # the marked tokens of the whole generation batch, every rank's (a scalar, as sft_tokens_in_batch)
+            out["unlikely_in_batch"] = self.accelerator.gather(out["unlikely"].sum()).sum()
         self._terms = self._signal_terms(inputs, out, mask)
         self.term_sums.live += self._terms
         if self.supervision.sft_coef > 0:
@@ -219,8 +221,7 @@ class MonitoredGRPOTrainer(GRPOTrainer):
         step = Step(self.step_offset + self.state.global_step, [], episodes, kinds)
         for signal in self.signals:
             for term in signal.terms(step):
-                own = [hook for hook in ("token_loss", "backward")
-                       if getattr(type(term), hook) is not getattr(LossTerm, hook)]
+                own = [hook for hook in ("token_loss", "backward") if _overrides(term, hook)]
                 if own:
                     raise ValueError(f"{type(signal).__name__}'s term {type(term).__name__} defines {own}: TRL's "
                                      "update runs a term's forward_loss only")
@@ -232,15 +233,22 @@ class MonitoredGRPOTrainer(GRPOTrainer):
 
     def _term_losses(self, inputs: dict[str, Any], logp: torch.Tensor, old: torch.Tensor) -> torch.Tensor | None:
         """The loss terms' `forward_loss` on this micro-batch (its sampled tokens: TRL's loss mask), each told
-        that the micro-batch is its optimizer step (`begin`) and divided over the accumulation steps."""
-        if not self._terms:
+        that the micro-batch is its optimizer step (`begin`; a mean over marked tokens divides by the whole
+        step's count, `marked_tokens`) and divided over the accumulation steps. Terms with neither hook (OPS's
+        LUFFY shaping: `expert_loss` alone, run by `_compute_loss`) are not asked."""
+        terms = [t for t in self._terms if _overrides(t, "begin") or _overrides(t, "forward_loss")]
+        if not terms:
             return None
         mask = _loss_mask(inputs).bool()
         batch = PolicyBatch(inputs["completion_ids"], mask, old, inputs["advantages"], inputs.get("unlikely"),
                             inputs["expert"])
+        marked = inputs.get("unlikely_in_batch")
+        if marked is not None:
+            marked = float(self._window(marked)) / self.current_gradient_accumulation_steps if marked else 0.0
         added = []
-        for term in self._terms:
-            term.begin(OptimizerStep(batch, 0, len(batch), len(batch), self.num_generations, last_pass=True))
+        for term in terms:
+            term.begin(OptimizerStep(batch, 0, len(batch), len(batch), self.num_generations, last_pass=True,
+                                     marked_tokens=marked))
             loss = term.forward_loss(logp[mask], batch)
             if loss is not None:
                 added.append(loss / self.current_gradient_accumulation_steps)
@@ -387,6 +395,10 @@ class MonitoredGRPOTrainer(GRPOTrainer):
         super().log(logs, start_time)
 
 
+def _overrides(term: LossTerm, hook: str) -> bool:
+    return getattr(type(term), hook) is not getattr(LossTerm, hook)
+
+
 def _shapes(term: LossTerm) -> bool:
     """Whether a term puts its own loss on the expert rows' tokens (`LossTerm.expert_loss`)."""
-    return type(term).expert_loss is not LossTerm.expert_loss
+    return _overrides(term, "expert_loss")
