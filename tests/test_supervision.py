@@ -34,7 +34,7 @@ def test_sft_term_gradient_is_coef_times_the_token_mean_nll_gradient(tiny_model,
     coef * the gradient of the whole batch's token-mean cross-entropy."""
     examples = encode_tasks(PieceEncoder(tokenizer), world.tasks("train")[:5])
     model = copy.deepcopy(tiny_model).train()
-    stats = SFTTerm(0.3, 2, tokenizer.pad_token_id).backward(model, examples)
+    nll_sum, tokens = SFTTerm(0.3, 2, tokenizer.pad_token_id).backward(model, examples)
     got = _grads(model)
     model.zero_grad()
     logits, targets = batch_logits(model, examples, tokenizer.pad_token_id)
@@ -43,8 +43,8 @@ def test_sft_term_gradient_is_coef_times_the_token_mean_nll_gradient(tiny_model,
     want = _grads(model)
     assert got.keys() == want.keys()
     assert all(torch.allclose(got[k], want[k], atol=1e-7, rtol=1e-5) for k in want)
-    assert stats["sup/sft_nll"] == pytest.approx(nll.item(), rel=1e-5)
-    assert stats["sup/sft_tokens"] == len(targets) == sum(sum(m[1:]) for _, m in examples)
+    assert nll_sum / tokens == pytest.approx(nll.item(), rel=1e-5)
+    assert tokens == len(targets) == sum(sum(m[1:]) for _, m in examples)
 
 
 def test_with_zero_advantages_the_step_is_the_sft_step(tiny_model, tokenizer, world):

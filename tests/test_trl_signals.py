@@ -11,15 +11,20 @@ pytest.importorskip("trl", reason="the TRL integration needs TRL: pip install 't
 
 
 class Recording(Toy):
-    """The toy signal, keeping the Steps TRL hands it."""
+    """The toy signal, keeping the Steps TRL hands it, and when its `after_update` ran (the trainer's step then)."""
 
     def __init__(self, cfg, **given):
         super().__init__(cfg, **given)
-        self.steps = []
+        self.steps, self.after = [], []
+        self.trainer = None
 
     def terms(self, step):
         self.steps.append(step)
         return super().terms(step)
+
+    def after_update(self, step):
+        self.after.append((self.trainer.state.global_step, step))
+        return super().after_update(step)
 
 
 def test_one_batch_through_both_trainers_gives_equal_loss_terms_and_metric_keys(tmp_path, tiny_checkpoint):
@@ -49,10 +54,12 @@ def test_one_batch_through_both_trainers_gives_equal_loss_terms_and_metric_keys(
         model=model, reward_funcs=episode_success, args=_tool_world_args(tmp_path, num_generations=4),
         train_dataset=task_dataset(cfg, "train", 2), processing_class=tokenizer,
         rollout_func=engine_rollouts(cfg, tokenizer, tasks=tasks), unlikelihood_coef=0.5, signals=[toy])
+    toy.trainer = trainer
     trainer.train()
     trl_log = trainer.state.log_history[0]
     (step,) = toy.steps
     assert len(step.episodes) == 8 and step.kinds == ["policy"] * 8
+    assert toy.after == [(1, step)]  # after the update, on the batch's Step
 
     ours = load_model(tiny_checkpoint)
     ours.load_state_dict(before)
@@ -62,14 +69,45 @@ def test_one_batch_through_both_trainers_gives_equal_loss_terms_and_metric_keys(
     optimizer = torch.optim.AdamW(ours.parameters(), lr=0.0)
     our_log = policy_step(ours, None, optimizer, step.episodes, torch.zeros(8), cfg.grpo, tokenizer.pad_token_id,
                           {}, temperature=cfg.rollout.temperature, terms=terms)
+    our_log.update(Toy(cfg).after_update(step))  # as our loop calls it after the update
 
     n_marked = sum(len(m) for m in marked)
     assert n_marked > 0  # the random policy writes control tokens the grammar rejects: the term has work
     assert trl_log["sup/unlikely_tokens"] == our_log["sup/unlikely_tokens"] == n_marked
     assert trl_log["sup/unlikelihood"] == pytest.approx(our_log["sup/unlikelihood"], rel=1e-5)
     assert trl_log["toy/nll"] == pytest.approx(our_log["toy/nll"], rel=1e-5)
+    assert trl_log["toy/turns"] == our_log["toy/turns"] > 0
     keys = lambda log: sorted(k for k in log if k.startswith(("sup/", "toy/")))  # noqa: E731
-    assert keys(trl_log) == keys(our_log) == ["sup/unlikelihood", "sup/unlikely_tokens", "toy/nll"]
+    assert keys(trl_log) == keys(our_log) == ["sup/unlikelihood", "sup/unlikely_tokens", "toy/nll", "toy/turns"]
+
+
+def test_a_signal_s_after_update_runs_once_a_generation_batch_is_trained(tmp_path, tiny_checkpoint):
+    """Two optimizer steps per generation batch (steps_per_generation 2, no accumulation), 4 steps: each batch's
+    Step gets its `after_update` once, after its second optimizer step, and its metrics reach that step's log."""
+    from transformers import AutoTokenizer
+
+    from toolcollapse.config import load_config
+    from toolcollapse.integrations.trl import MonitoredGRPOTrainer, engine_rollouts, episode_success, task_dataset
+    from toolcollapse.model import load_model
+
+    cfg = load_config("configs/tiny_rl.yaml", ["world.n_train=2000", "world.n_test=200", "world.n_ood=150",
+                                               "rollout.max_turns=2", "rollout.max_new_tokens=12"])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    tasks = _tasks(cfg, 4)
+    toy = Recording(cfg)
+    toy.trainer = MonitoredGRPOTrainer(
+        model=load_model(tiny_checkpoint), reward_funcs=episode_success, processing_class=tokenizer,
+        args=_tool_world_args(tmp_path, num_generations=4, per_device_train_batch_size=4, steps_per_generation=2,
+                              max_steps=4),
+        train_dataset=task_dataset(cfg, "train", 4), signals=[toy],
+        rollout_func=engine_rollouts(cfg, tokenizer, tasks=tasks))
+    toy.trainer.train()
+    assert len(toy.steps) == 2  # two generation batches of 2 prompts x 4
+    assert toy.after == [(2, toy.steps[0]), (4, toy.steps[1])]
+    logs = [r for r in toy.trainer.state.log_history if "loss" in r]
+    assert [r["step"] for r in logs if "toy/turns" in r] == [2, 4]
+    assert [r["toy/turns"] for r in logs if "toy/turns" in r] == [
+        sum(len(ep.turns) for ep in step.episodes) for step in toy.steps]
 
 
 def test_unlikelihood_is_a_mean_over_the_optimizer_step_under_gradient_accumulation(tmp_path, tiny_checkpoint):
@@ -115,10 +153,50 @@ def test_unlikelihood_is_a_mean_over_the_optimizer_step_under_gradient_accumulat
     assert (g_split - g_whole).norm() <= 1e-5 * g_whole.norm()
 
 
-def _tasks(cfg):
+def _tasks(cfg, n=2):
     from toolcollapse.envs import make_env
 
-    return make_env(cfg).tasks("train")[:2]
+    return make_env(cfg).tasks("train")[:n]
+
+
+@pytest.mark.slow
+def test_the_sft_term_and_unlikelihood_signals_set_trl_s_own_terms(tmp_path, tiny_checkpoint):
+    """`signals=[SFTTermSignal(cfg), UnlikelihoodSignal(cfg)]` -- the objects `toolcollapse rl` builds -- run
+    their terms on TRL's own batches (the reference column; its rejected controls) with the config's weights:
+    the same logs and the same weights as `sft_coef=0.5, unlikelihood_coef=0.25`; with the weights swapped,
+    not the same."""
+    from transformers import AutoTokenizer
+
+    from toolcollapse.config import load_config
+    from toolcollapse.integrations.trl import MonitoredGRPOTrainer, engine_rollouts, episode_success, task_dataset
+    from toolcollapse.model import load_model
+    from toolcollapse.signals import SFTTermSignal, UnlikelihoodSignal
+
+    cfg = load_config("configs/tiny_rl.yaml", ["world.n_train=2000", "world.n_test=200", "world.n_ood=150",
+                                               "rollout.max_turns=3", "rollout.max_new_tokens=24",
+                                               "supervision.sft_coef=0.5", "supervision.unlikelihood_coef=0.25"])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    tasks = _tasks(cfg)
+    data = task_dataset(cfg, "train", 2)
+    data = data.add_column("reference", [f"The answer is {t.answer}.<|im_end|>" for t in tasks])
+
+    def train(path, **supervision):
+        model = load_model(tiny_checkpoint)
+        trainer = MonitoredGRPOTrainer(
+            model=model, reward_funcs=episode_success, processing_class=tokenizer, train_dataset=data,
+            args=_tool_world_args(path, num_generations=4, learning_rate=1e-3),
+            rollout_func=engine_rollouts(cfg, tokenizer, tasks=tasks), **supervision)
+        trainer.train()
+        return trainer.state.log_history[0], model.state_dict()
+
+    own_log, own = train(tmp_path / "own", sft_coef=0.5, unlikelihood_coef=0.25)
+    log, weights = train(tmp_path / "signals", signals=[SFTTermSignal(cfg), UnlikelihoodSignal(cfg)])
+    _, swapped = train(tmp_path / "swapped", sft_coef=0.25, unlikelihood_coef=0.5)
+    keys = sorted(k for k in own_log if k.startswith("sup/"))
+    assert keys == ["sup/sft_nll", "sup/sft_tokens", "sup/sft_tokens_total", "sup/unlikelihood", "sup/unlikely_tokens"]
+    assert {k: log[k] for k in keys} == {k: own_log[k] for k in keys} and own_log["sup/sft_tokens"] > 0
+    assert all(torch.equal(weights[k], own[k]) for k in own)
+    assert any(not torch.equal(swapped[k], own[k]) for k in own)
 
 
 def test_trl_refuses_a_signal_term_it_cannot_run(tmp_path, tiny_checkpoint):
@@ -130,7 +208,7 @@ def test_trl_refuses_a_signal_term_it_cannot_run(tmp_path, tiny_checkpoint):
     from toolcollapse.envs import make_env
     from toolcollapse.integrations.trl import MonitoredGRPOTrainer, engine_rollouts, episode_success, task_dataset
     from toolcollapse.model import load_model
-    from toolcollapse.signals import HBG, OPS, LossTerm, LuffyShaping, SFTTermSignal
+    from toolcollapse.signals import ETS, HBG, OPS, LossTerm, LuffyShaping, SFTTermSignal
 
     class Reweighting(LossTerm):
         def token_loss(self, pg, logp, adv, mb, seq_ids):
@@ -159,8 +237,12 @@ def test_trl_refuses_a_signal_term_it_cannot_run(tmp_path, tiny_checkpoint):
         trainer(Shaping(cfg)).train()
     with pytest.raises(ValueError, match="more than one term reshapes the expert rows' loss"):
         trainer(TwoShapings(cfg)).train()
-    with pytest.raises(ValueError, match="SFTTermSignal needs our loop's \\['start'\\].*the SFT term is sft_coef"):
-        trainer(SFTTermSignal(cfg))
+    with pytest.raises(ValueError, match="ETS needs our loop's \\['start'\\].*ETS and PRS are train_interleaved's"):
+        trainer(ETS(load_config("configs/tiny_rl.yaml", ["supervision.ets.enabled=true"])))
+    with pytest.raises(ValueError, match="sft_coef from both SFTTermSignal and the trainer's sft_coef: pick one"):
+        MonitoredGRPOTrainer(model=load_model(tiny_checkpoint), reward_funcs=episode_success,
+                             args=_tool_world_args(tmp_path, num_generations=4), processing_class=tokenizer,
+                             train_dataset=task_dataset(cfg, "train", 2), sft_coef=0.5, signals=[SFTTermSignal(cfg)])
     ops = load_config("configs/tiny_rl.yaml", ["supervision.ops.enabled=true", "supervision.hbg.enabled=true"])
     with pytest.raises(ValueError, match="expert rows from both OPS and the trainer's ops: pick one"):
         MonitoredGRPOTrainer(model=load_model(tiny_checkpoint), reward_funcs=episode_success,

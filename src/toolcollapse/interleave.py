@@ -204,12 +204,12 @@ def sft_phase(model: Any, examples: Sequence[Example], pc: Any, micro_batch_size
     for _ in range(pc.epochs):
         order = rng.sample(range(len(examples)), len(examples))
         for start in range(0, len(order), pc.batch_size):
-            stats = nll.backward(model, [examples[i] for i in order[start:start + pc.batch_size]])
+            nll_sum, n = nll.backward(model, [examples[i] for i in order[start:start + pc.batch_size]])
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-            if math.isfinite(stats["sup/sft_nll"]) and torch.isfinite(norm):  # as grpo_update: skip a non-finite step
+            if math.isfinite(nll_sum) and torch.isfinite(norm):  # as grpo_update: skip a non-finite step
                 optimizer.step()
-                losses.append(stats["sup/sft_nll"])
-                tokens += int(stats["sup/sft_tokens"])
+                losses.append(nll_sum / max(1, n))
+                tokens += n
             else:
                 skipped += 1
             optimizer.zero_grad(set_to_none=True)

@@ -288,8 +288,8 @@ METRICS: list[tuple[str, str, str]] = [
                                          "compare with `grad_sq_share`)."),
     # supervision signals (supervision.py)
     ("sup/sft_nll", "nats", "Synchronous SFT term (`supervision.sft_coef` > 0): mean NLL per token of the "
-                            "ground truth of each mini-batch's tasks, at temperature 1, over the step's optimizer "
-                            "steps."),
+                            "ground truth of each mini-batch's tasks, at temperature 1, over all the step's "
+                            "optimizer steps (in TRL: over the logging window)."),
     ("sup/sft_tokens", "tokens", "Tokens the SFT term trained on at the step, summed over its optimizer steps."),
     ("sup/sft_tokens_total", "tokens", "Running total of SFT tokens: the SFT term, the ETS / PRS / adaptive "
                                        "phases and OPS's expert rows; from the first step that adds any."),

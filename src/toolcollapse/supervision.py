@@ -64,8 +64,9 @@ class SFTTerm:
     micro_batch_size: int
     pad_id: int
 
-    def backward(self, model: Any, examples: Sequence[Example]) -> dict[str, float]:
-        """Add the term's gradient to .grad; its statistics (the NLL is at temperature 1, as `sft` trains)."""
+    def backward(self, model: Any, examples: Sequence[Example]) -> tuple[float, int]:
+        """Add the term's gradient to .grad; the examples' summed NLL (at temperature 1, as `sft` trains) and
+        their trained tokens."""
         n_tokens = sum(sum(m[1:]) for _, m in examples)
         total = 0.0
         for start in range(0, len(examples), self.micro_batch_size):
@@ -73,7 +74,7 @@ class SFTTerm:
             nll = F.cross_entropy(logits, targets, reduction="sum")
             (self.coef * nll / max(1, n_tokens)).backward()
             total += nll.item()
-        return {"sup/sft_nll": total / max(1, n_tokens), "sup/sft_tokens": float(n_tokens)}
+        return total, n_tokens
 
 
 def sft_tokens_so_far(rows: Sequence[dict[str, Any]]) -> float:

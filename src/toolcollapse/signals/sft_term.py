@@ -1,7 +1,12 @@
 """The synchronous SFT term: every optimizer step also minimises coef * NLL of the ground truth of its
 mini-batch's own tasks (token-mean over their assistant tokens), the joint loss of CHORD (arXiv 2508.11408)
-with a fixed weight. Logged per RL step: `sup/sft_nll` (the mean over its optimizer steps) and
-`sup/sft_tokens` (the tokens trained on, summed), so that a gain can be told apart from "more SFT"."""
+with a fixed weight. Logged per RL step: `sup/sft_nll` (the token mean over its optimizer steps' ground truth)
+and `sup/sft_tokens` (their tokens), so that a gain can be told apart from "more SFT".
+
+One term, two forms: ours runs a forward of its own over the mini-batch's tasks (`backward`); TRL's trainer
+carries each prompt's reference in its policy batch, and each micro-batch adds its reference rows' loss to
+TRL's own (`rows_loss`), so a distributed backward stays one collective.
+"""
 
 from __future__ import annotations
 
@@ -32,9 +37,9 @@ def reference_nll(model: Any, ids: torch.Tensor, kind: torch.Tensor) -> tuple[to
 
 
 class SFTTermLoss(LossTerm):
-    SUMS = ("nll", "tokens", "calls")  # the optimizer steps' token-mean NLLs, their tokens, their count
+    SUMS = ("nll", "tokens", "calls")  # the summed NLL of the reference tokens, their count, the forwards
 
-    def __init__(self, sft: Any, examples: Sequence[Any]):
+    def __init__(self, sft: SFTTerm, examples: Sequence[Any] = ()):
         super().__init__()
         self.sft, self.examples = sft, list(examples)  # supervision.SFTTerm; the step's tasks' ground truth
         self.part: Sequence[Any] = ()
@@ -45,15 +50,26 @@ class SFTTermLoss(LossTerm):
         self.part = self.examples[step.start // g:step.end // g] if one_a_group else self.examples
 
     def backward(self, model: Any) -> bool:
-        stats = self.sft.backward(model, self.part)
-        self.add(nll=stats["sup/sft_nll"], tokens=stats["sup/sft_tokens"], calls=1)
-        return math.isfinite(stats["sup/sft_nll"])
+        nll, tokens = self.sft.backward(model, self.part)
+        self.add(nll=nll, tokens=tokens, calls=1)
+        return math.isfinite(nll)
+
+    def rows_loss(self, model: Any, ids: torch.Tensor, kind: torch.Tensor, per: torch.Tensor) -> torch.Tensor:
+        """TRL's form, for one micro-batch: its reference rows [B, L] (`kind` as `reference_nll`'s), coef * their
+        summed NLL over `per` -- the optimizer step's reference tokens, per micro-batch and rank, so that the
+        step's micro-batches add up to its token mean -- plus `reference_nll`'s zero-weighted logits."""
+        nll, tokens, keep = reference_nll(model, ids, kind)
+        self.add(nll=nll.item(), tokens=tokens, calls=1)
+        return self.sft.coef * nll / per + keep
 
     @staticmethod
     def metrics_of(sums: dict[str, float]) -> dict[str, float]:
         if not sums["calls"]:
             return {}
-        return {"sup/sft_nll": sums["nll"] / sums["calls"], "sup/sft_tokens": sums["tokens"]}
+        out = {"sup/sft_tokens": sums["tokens"]}
+        if sums["tokens"]:
+            out["sup/sft_nll"] = sums["nll"] / sums["tokens"]
+        return out
 
 
 class SFTTermSignal(Signal):

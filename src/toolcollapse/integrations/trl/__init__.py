@@ -22,8 +22,10 @@ toolcollapse brings its monitor, its diagnosis and its supervision signals:
     once per prompt, and unlikelihood, `unlikelihood_coef` * -log(1 - p) at the first control token the
     grammar rejects in each sampled turn (`parser.first_rejected_control`), from TRL's own log-probs; both
     in `compute_loss`, scaled for gradient accumulation as TRL's own auxiliary loss; `sup/*` logs them,
-    SFT tokens included, so a gain can be told apart from more SFT; unlikelihood is our trainer's own term
-    (`signals.Unlikelihood`), and so is any signal's passed as `signals=[...]` (docs/DESIGN.md, "In TRL");
+    SFT tokens included, so a gain can be told apart from more SFT; both are our trainer's own terms
+    (`signals.SFTTermLoss`, its `rows_loss`; `signals.Unlikelihood`, a mean over the optimizer step's
+    rejected tokens), `SFTTermSignal(cfg)` and `UnlikelihoodSignal(cfg)` in `signals=[...]` set their
+    weights, and any signal's term runs as ours (docs/DESIGN.md, "In TRL");
   - OPS: the last `ops` rows of each group of G are the reference instead of a sample (TRL's groups are
     contiguous blocks of G; `_generate` is where they are filled), rewarded by the same reward functions,
     the advantages over the mixed group; `ops_shaping="none"` trains them with TRL's clipped surrogate

@@ -72,10 +72,10 @@ def _turn_spans(ids: Sequence[int], mask: Sequence[Any], id_to_tag: Mapping[int,
 
 
 class Supervision:
-    """The synchronous SFT term's and OPS's and HBG's counts for `MonitoredGRPOTrainer` since the last log
-    (summed over ranks at `reduce`)."""
+    """OPS's and HBG's counts for `MonitoredGRPOTrainer` since the last log (summed over ranks at `reduce`),
+    and the SFT term's running total of tokens (a window's own are its term's, `SFTTermLoss`)."""
 
-    KEYS = ("sft_nll_sum", "sft_tokens", "expert_rows", "expert_loss_sum", "expert_tokens", "hinted_rows")
+    KEYS = ("expert_rows", "expert_loss_sum", "expert_tokens", "hinted_rows")
 
     def __init__(self, sft_coef: float, reference_column: str):
         if sft_coef < 0:
@@ -87,16 +87,15 @@ class Supervision:
     def count(self, key: str, value: float) -> None:
         self.counts[self.KEYS.index(key)] += value
 
-    def reduce(self) -> dict[str, float]:
+    def reduce(self, sft_tokens: float = 0.0) -> dict[str, float]:
+        """The window's metrics (a collective: call it on every rank); `sft_tokens`: the SFT term's tokens
+        in it, every rank's."""
         counts = dict(zip(self.KEYS, _gather_rows(self.counts[None]).sum(dim=0).tolist()))
         self.counts = torch.zeros_like(self.counts)
         out = {}
         if self.sft_coef > 0:
-            self.tokens_total += counts["sft_tokens"]
-            out["sup/sft_tokens"] = counts["sft_tokens"]
+            self.tokens_total += sft_tokens
             out["sup/sft_tokens_total"] = self.tokens_total
-            if counts["sft_tokens"]:
-                out["sup/sft_nll"] = counts["sft_nll_sum"] / counts["sft_tokens"]
         if counts["hinted_rows"]:
             out["sup/hinted_rows"] = counts["hinted_rows"]
         if counts["expert_rows"]:

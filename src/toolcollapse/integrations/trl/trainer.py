@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from toolcollapse.config import MonitorConfig
@@ -19,8 +20,12 @@ from toolcollapse.integrations.trl.interleaved import rollout_episode, tag_of_id
 from toolcollapse.integrations.trl.stats import Supervision, TermSums, TurnStates, rejected_controls
 from toolcollapse.monitor import SampledTokens, resolve_token_ids
 from toolcollapse.records import PolicyBatch
-from toolcollapse.signals import LossTerm, LuffyShaping, OptimizerStep, Rows, Signal, Step, Unlikelihood, row_kinds
-from toolcollapse.signals.sft_term import reference_nll
+from toolcollapse.signals import (LossTerm, LuffyShaping, OptimizerStep, Rows, SFTTermLoss, SFTTermSignal, Signal, Step,
+                                  Unlikelihood, UnlikelihoodSignal, row_kinds)
+from toolcollapse.supervision import SFTTerm
+
+# signals whose `start` needs our loop, which this trainer runs on its own batches: the argument each one sets
+_AS_ARGUMENT = {SFTTermSignal: "sft_coef", UnlikelihoodSignal: "unlikelihood_coef"}
 
 
 class MonitoredGRPOTrainer(GRPOTrainer):
@@ -46,10 +51,14 @@ class MonitoredGRPOTrainer(GRPOTrainer):
         their row kinds), and in every micro-batch each term's `forward_loss` (on TRL's log-probs of the
         sampled tokens) over the accumulation steps, as TRL's own auxiliary loss, and its `expert_loss` on
         the expert rows in place of TRL's surrogate there (OPS's LUFFY shaping); their metrics are logged,
-        the terms' summed over ranks. `unlikelihood_coef` and `ops_shaping="luffy"` are such terms. Refused:
-        a term with its own `token_loss` or `backward` (a forward of its own: the SFT term is `sft_coef`), a
-        signal that needs our loop (`start`, `on_alarm`: ETS and PRS are `train_interleaved`'s rounds;
-        unlikelihood is `unlikelihood_coef`; adaptive is not supported). `after_update` is not called here."""
+        the terms' summed over ranks. `unlikelihood_coef` and `ops_shaping="luffy"` are such terms. The SFT
+        term's and unlikelihood's signals (`SFTTermSignal`, `UnlikelihoodSignal`) set `sft_coef` and
+        `unlikelihood_coef` from their config: their terms (`SFTTermLoss`'s `rows_loss`, `Unlikelihood`) run on
+        this trainer's own batches (the reference column, its rejected controls). Refused: a term with its own
+        `token_loss` or `backward` (a forward of its own), a signal that needs our loop (`start`, `on_alarm`:
+        ETS and PRS are `train_interleaved`'s rounds; adaptive is not supported). A signal's `after_update` runs
+        after the optimizer step that ends its generation batch's updates, before that step's log (and the
+        monitor's alarms); what it returns is logged there (this rank's; the last batch's in a window)."""
         self._call_end_id: int | None = None
         tokenizer, model = kwargs.get("processing_class"), kwargs.get("model", args[0] if args else None)
         if kwargs.get("tools") or kwargs.get("environment_factory"):
@@ -60,14 +69,22 @@ class MonitoredGRPOTrainer(GRPOTrainer):
         names = control_tokens or (monitor.monitor if monitor else MonitorConfig()).control_tokens
         self.sampled = SampledTokens(resolve_token_ids(self.processing_class, names), _gather_rows)
         self.turns = TurnStates(self.processing_class, tool_specs, call_end)
+        coefs = self._coefs_of(signals, sft_coef=sft_coef, unlikelihood_coef=unlikelihood_coef)
+        sft_coef, unlikelihood_coef = coefs["sft_coef"], coefs["unlikelihood_coef"]
         self.supervision = Supervision(sft_coef, reference_column)
         if unlikelihood_coef < 0:
             raise ValueError(f"unlikelihood_coef {unlikelihood_coef} must be >= 0")
-        self.unlikelihood_coef, self.signals = unlikelihood_coef, list(signals)
+        self.unlikelihood_coef = unlikelihood_coef
+        self.signals = [signal for signal in signals if type(signal) not in _AS_ARGUMENT]
         # what `_signal_terms` parses each batch's rows with (it refuses a tokenizer without every tag, now)
         self._tag_of = tag_of_ids(self.processing_class) if self.signals else {}
         self.call_end = call_end
         self._terms: list[LossTerm] = []  # the loss terms of the generation batch in use
+        self._sft: SFTTermLoss | None = None  # its SFT term (`sft_coef`), run by `_supervision_loss`
+        self._updating: Step | None = None  # the generation batch in its updates, as the signals' Step
+        self._after: dict[str, float] = {}  # the signals' `after_update` metrics, for the next log
+        if self.signals:
+            self.add_callback(_AfterUpdate(self))
         self.term_sums = TermSums()
         # this rank's rollouts with reward <= 0 in the last `failure_window` steps (step, prompt, reference,
         # task_id, their tokens): what ETS/PRS phases train on; None (the default) keeps none -- set by
@@ -92,14 +109,26 @@ class MonitoredGRPOTrainer(GRPOTrainer):
         self._captured: tuple[torch.Tensor, torch.Tensor] | None = None
         self._capture = False
 
+    @staticmethod
+    def _coefs_of(signals: Sequence[Signal], **coefs: float) -> dict[str, float]:
+        """The trainer's `sft_coef` and `unlikelihood_coef`, with those of the signals that set them."""
+        for signal in signals:
+            argument = _AS_ARGUMENT.get(type(signal))
+            if argument is None:
+                continue
+            if coefs[argument]:
+                raise ValueError(f"{argument} from both {type(signal).__name__} and the trainer's {argument}: pick one")
+            coefs[argument] = getattr(signal.cfg.supervision, argument)
+        return coefs
+
     def _signal_rows(self, ops: int, hbg: int) -> tuple[int, int]:
         """The signals checked, and their rows added to `ops` and `hbg`."""
         for signal in self.signals:
             needs = [hook for hook in ("start", "on_alarm") if getattr(type(signal), hook) is not getattr(Signal, hook)]
             if needs:
                 raise ValueError(f"signal {type(signal).__name__} needs our loop's {needs}, which TRL's trainer does not "
-                                 "run: ETS and PRS are train_interleaved's rounds, unlikelihood is unlikelihood_coef, "
-                                 "the SFT term is sft_coef; the adaptive schedule is toolcollapse rl's")
+                                 "run: ETS and PRS are train_interleaved's rounds; the adaptive schedule is "
+                                 "toolcollapse rl's")
             rows = signal.rows()
             if rows is None:
                 continue
@@ -111,6 +140,10 @@ class MonitoredGRPOTrainer(GRPOTrainer):
                                  "rollout_func=engine_rollouts(...) (TRL's own generation takes hinted prompts from "
                                  "the dataset's hint column: the trainer's hbg=)")
             if rows.kind == "expert":
+                passes = signal.cfg.grpo.updates_per_batch
+                if passes != self.num_iterations:  # its after_update counts the expert tokens trained, per pass
+                    raise ValueError(f"{type(signal).__name__}: the config's grpo.updates_per_batch={passes} and "
+                                     f"GRPOConfig.num_iterations={self.num_iterations} differ; set them equal")
                 ops = rows.n
             else:
                 hbg, self.hint_prompt = rows.n, rows.prompt
@@ -197,6 +230,8 @@ class MonitoredGRPOTrainer(GRPOTrainer):
         self._terms = self._signal_terms(inputs, out, mask)
         self.term_sums.live += self._terms
         if self.supervision.sft_coef > 0:
+            self._sft = SFTTermLoss(SFTTerm(self.supervision.sft_coef, 1, self.processing_class.pad_token_id))
+            self.term_sums.live.append(self._sft)
             out["sft_ids"], out["sft_mask"] = self._references(inputs, out)
             # the SFT tokens of the whole generation batch, every rank's (a scalar: TRL's split keeps it whole)
             out["sft_tokens_in_batch"] = self.accelerator.gather((out["sft_mask"] == 2).sum()).sum()
@@ -218,7 +253,7 @@ class MonitoredGRPOTrainer(GRPOTrainer):
                                             out["prompt_ids"][i][out["prompt_mask"][i].bool()].tolist(),
                                             out["completion_ids"][i][keep].tolist(), mask[i][keep].tolist(),
                                             self.processing_class, call_end=self.call_end, id_to_tag=self._tag_of))
-        step = Step(self.step_offset + self.state.global_step, [], episodes, kinds)
+        step = self._updating = Step(self.step_offset + self.state.global_step, [], episodes, kinds)
         for signal in self.signals:
             for term in signal.terms(step):
                 own = [hook for hook in ("token_loss", "backward") if _overrides(term, hook)]
@@ -230,6 +265,16 @@ class MonitoredGRPOTrainer(GRPOTrainer):
             raise ValueError(f"{[type(t).__name__ for t in terms if _shapes(t)]}: more than one term reshapes the "
                              "expert rows' loss")
         return terms
+
+    def _after_update(self) -> None:
+        """After an optimizer step: once the generation batch's updates are all done (TRL's `_step` counts
+        micro-batches; a batch is `steps_per_generation` x `num_iterations` of them), each signal's
+        `after_update` on its Step."""
+        if self._updating is None or self._step % (self.args.steps_per_generation * self.num_iterations):
+            return
+        step, self._updating = self._updating, None
+        for signal in self.signals:
+            self._after.update(signal.after_update(step))
 
     def _term_losses(self, inputs: dict[str, Any], logp: torch.Tensor, old: torch.Tensor) -> torch.Tensor | None:
         """The loss terms' `forward_loss` on this micro-batch (its sampled tokens: TRL's loss mask), each told
@@ -315,10 +360,9 @@ class MonitoredGRPOTrainer(GRPOTrainer):
         return ids.to(device), kind.to(device)
 
     def _supervision_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor | None:
-        """The SFT term of one micro-batch: a sum over its reference tokens over the window's count (`_window`),
-        so an optimizer step's terms add up to its token mean."""
-        s = self.supervision
-        if s.sft_coef <= 0:
+        """The SFT term of one micro-batch (`SFTTermLoss.rows_loss`) on its reference rows, over the window's
+        count (`_window`), so an optimizer step's terms add up to its token mean."""
+        if self._sft is None:
             return None
         # a forward on every micro-batch of every rank, with or without a reference row in it: under ZeRO-3,
         # FSDP and DDP each forward is a collective, and ranks whose shuffle dealt them no reference would
@@ -327,10 +371,7 @@ class MonitoredGRPOTrainer(GRPOTrainer):
         rows[0] = rows[0] | ~rows.any()  # none here: one row, padding only, for a forward that trains nothing
         ids, kind = inputs["sft_ids"][rows], inputs["sft_mask"][rows]
         width = max(1, int((kind > 0).sum(dim=1).max()))
-        nll, tokens, keep = reference_nll(model, ids[:, :width], kind[:, :width])
-        s.count("sft_nll_sum", nll.item())
-        s.count("sft_tokens", tokens)
-        return s.sft_coef * nll / self._window(inputs["sft_tokens_in_batch"]) + keep
+        return self._sft.rows_loss(model, ids[:, :width], kind[:, :width], self._window(inputs["sft_tokens_in_batch"]))
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
         training = self.model.training
@@ -382,8 +423,11 @@ class MonitoredGRPOTrainer(GRPOTrainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.model.training and not any(k.startswith("eval_") for k in logs):
             # every rank calls log(): the collectives are safe here
-            stats = {**self.turns.reduce(), **self.sampled.reduce(), **self.supervision.reduce(),
-                     **self.term_sums.reduce(self._terms)}
+            terms = self.term_sums.reduce([*self._terms, *([self._sft] if self._sft else [])])
+            stats = {**self.turns.reduce(), **self.sampled.reduce(), **terms,
+                     **self.supervision.reduce(terms.get("sup/sft_tokens", 0.0))}
+            stats.update(self._after)
+            self._after = {}
             for signal in self.signals:
                 stats.update(signal.metrics())
             logs.update(stats)
@@ -393,6 +437,17 @@ class MonitoredGRPOTrainer(GRPOTrainer):
                 step = self.monitor.step_offset + self.state.global_step - 1
                 self.control = self.monitor.observe(step, stats, self.args, self.control)
         super().log(logs, start_time)
+
+
+class _AfterUpdate(TrainerCallback):
+    """Calls the trainer's `_after_update` after each optimizer step (before that step's log)."""
+
+    def __init__(self, trainer: MonitoredGRPOTrainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self.trainer._after_update()
+        return control
 
 
 def _overrides(term: LossTerm, hook: str) -> bool:
