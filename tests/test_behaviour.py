@@ -67,6 +67,22 @@ def test_the_comparison_flags_one_changed_token_and_one_changed_weight(tmp_path)
     assert facts["largest relative difference"] == pytest.approx(1e-3 / 3, rel=1e-3)
 
 
+
+def test_an_intended_difference_is_its_scenario_s_listed_metric_values_only(tmp_path):
+    """A scenario's listed metric (INTENDED, with its reason) may differ in value; a missing key, another
+    metric or another scenario's same metric still counts."""
+    bench = _bench()
+    old = _side(tmp_path / "rev", TOKENS, [{**ROW, "sup/sft_nll": 0.1}], WEIGHT)
+    new = _side(tmp_path / "now", TOKENS, [{**ROW, "sup/sft_nll": 0.2, "loss": 0.6}], WEIGHT)
+    diffs, _ = bench.compare_sides(old, new, rtol=1e-5)
+    assert len(diffs) == 2
+    assert [d for d in diffs if bench._intended("sft_term_minibatches", d)] == [
+        "metrics.jsonl[0].sup/sft_nll: 0.1 vs 0.2 (relative 0.5)"]
+    assert not any(bench._intended("sft_term", d) for d in diffs)
+    gone = _side(tmp_path / "gone", TOKENS, [ROW], WEIGHT)
+    diffs, _ = bench.compare_sides(old, gone, rtol=1e-5)
+    assert diffs and not any(bench._intended("sft_term_minibatches", d) for d in diffs)
+
 @pytest.mark.slow
 def test_the_working_tree_keeps_the_pre_refactor_revision_s_behaviour(tmp_path, answering_checkpoint):
     """Plain GRPO, the adaptive schedule with an alarm that acts, and TRL with OPS rows, 3 steps each, under

@@ -93,9 +93,9 @@ class Supervision:
         counts = dict(zip(self.KEYS, _gather_rows(self.counts[None]).sum(dim=0).tolist()))
         self.counts = torch.zeros_like(self.counts)
         out = {}
-        if self.sft_coef > 0:
+        if self.sft_coef > 0:  # in every row, as ours (0 in a window without an SFT forward: TRL's last log)
             self.tokens_total += sft_tokens
-            out["sup/sft_tokens_total"] = self.tokens_total
+            out["sup/sft_tokens"], out["sup/sft_tokens_total"] = sft_tokens, self.tokens_total
         if counts["hinted_rows"]:
             out["sup/hinted_rows"] = counts["hinted_rows"]
         if counts["expert_rows"]:
