@@ -5,7 +5,7 @@ plugs into TRL as it plugs into ours. Skipped where TRL is absent."""
 import pytest
 import torch
 from test_signals import SampledNLL, Toy
-from test_trl import _keeping, _tool_world_args
+from trl_helpers import _keeping, _tool_world_args
 
 pytest.importorskip("trl", reason="the TRL integration needs TRL: pip install 'toolcollapse[trl]'")
 

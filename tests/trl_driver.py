@@ -1,4 +1,4 @@
-"""A small GRPO run through TRL with toolcollapse's monitor, for tests/test_trl.py: run in-process, or
+"""A small GRPO run through TRL with toolcollapse's monitor, for the tests/test_trl_*.py tests: run in-process, or
 under `accelerate launch --cpu --num_processes 2` (gloo). Each rank writes what the tests compare:
 
   <out>/rank<r>/batch_<step>.pt   the sampled tokens its micro-batches fed the ctrl/* statistics
