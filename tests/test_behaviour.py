@@ -43,6 +43,7 @@ WEIGHT = torch.tensor([1.0, -2.0, 3.0])
     ({"loss": 0.5 * (1 + 1e-7)}, True, None),  # a reordered float sum, within rtol
     ({"loss": 0.5 * (1 + 1e-3)}, False, "metrics.jsonl[0].loss"),
     ({"extra/key": 1.0}, False, "metrics.jsonl[0]: keys"),
+    ({"loss": float("nan")}, False, "metrics.jsonl[0].loss: 0.5 vs nan"),  # a NaN on one side
 ])
 def test_the_comparison_passes_equal_runs_and_names_a_metric_that_differs(tmp_path, change, kept, where):
     bench = _bench()
@@ -79,6 +80,9 @@ def test_an_intended_difference_is_its_scenario_s_listed_metric_values_only(tmp_
     assert [d for d in diffs if bench._intended("sft_term_minibatches", d)] == [
         "metrics.jsonl[0].sup/sft_nll: 0.1 vs 0.2 (relative 0.5)"]
     assert not any(bench._intended("sft_term", d) for d in diffs)
+    nan = _side(tmp_path / "nan", TOKENS, [{**ROW, "sup/sft_nll": float("nan")}], WEIGHT)
+    diffs, _ = bench.compare_sides(old, nan, rtol=1e-5)
+    assert diffs and not any(bench._intended("sft_term_minibatches", d) for d in diffs)
     gone = _side(tmp_path / "gone", TOKENS, [ROW], WEIGHT)
     diffs, _ = bench.compare_sides(old, gone, rtol=1e-5)
     assert diffs and not any(bench._intended("sft_term_minibatches", d) for d in diffs)

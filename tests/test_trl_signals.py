@@ -81,9 +81,16 @@ def test_one_batch_through_both_trainers_gives_equal_loss_terms_and_metric_keys(
     assert keys(trl_log) == keys(our_log) == ["sup/unlikelihood", "sup/unlikely_tokens", "toy/nll", "toy/turns"]
 
 
-def test_a_signal_s_after_update_runs_once_a_generation_batch_is_trained(tmp_path, tiny_checkpoint):
-    """Two optimizer steps per generation batch (steps_per_generation 2, no accumulation), 4 steps: each batch's
-    Step gets its `after_update` once, after its second optimizer step, and its metrics reach that step's log."""
+@pytest.mark.parametrize("steps_per_generation, accumulation, prompts, steps, after", [
+    (2, 1, 4, 4, [2, 4]),  # two optimizer steps a generation batch: after each batch's second
+    pytest.param(3, 2, 6, 3, [2, 3], marks=pytest.mark.slow),  # batches of 3 micro-batches, optimizer steps of 2:
+                                                                # batch 1 ends inside step 2, batch 2 with step 3
+])
+def test_a_signal_s_after_update_runs_once_a_generation_batch_is_trained(
+        tmp_path, tiny_checkpoint, steps_per_generation, accumulation, prompts, steps, after):
+    """Each generation batch's Step gets its `after_update` once, after the optimizer step that holds its last
+    micro-batch (also where the accumulation steps do not line up with the batches), and its metrics reach
+    that step's log."""
     from transformers import AutoTokenizer
 
     from toolcollapse.config import load_config
@@ -93,19 +100,19 @@ def test_a_signal_s_after_update_runs_once_a_generation_batch_is_trained(tmp_pat
     cfg = load_config("configs/tiny_rl.yaml", ["world.n_train=2000", "world.n_test=200", "world.n_ood=150",
                                                "rollout.max_turns=2", "rollout.max_new_tokens=12"])
     tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
-    tasks = _tasks(cfg, 4)
+    tasks = _tasks(cfg, prompts)
     toy = Recording(cfg)
     toy.trainer = MonitoredGRPOTrainer(
         model=load_model(tiny_checkpoint), reward_funcs=episode_success, processing_class=tokenizer,
-        args=_tool_world_args(tmp_path, num_generations=4, per_device_train_batch_size=4, steps_per_generation=2,
-                              max_steps=4),
-        train_dataset=task_dataset(cfg, "train", 4), signals=[toy],
+        args=_tool_world_args(tmp_path, num_generations=4, per_device_train_batch_size=4, max_steps=steps,
+                              steps_per_generation=steps_per_generation, gradient_accumulation_steps=accumulation),
+        train_dataset=task_dataset(cfg, "train", prompts), signals=[toy],
         rollout_func=engine_rollouts(cfg, tokenizer, tasks=tasks))
     toy.trainer.train()
-    assert len(toy.steps) == 2  # two generation batches of 2 prompts x 4
-    assert toy.after == [(2, toy.steps[0]), (4, toy.steps[1])]
+    assert len(toy.steps) == 2  # two generation batches
+    assert toy.after == list(zip(after, toy.steps))
     logs = [r for r in toy.trainer.state.log_history if "loss" in r]
-    assert [r["step"] for r in logs if "toy/turns" in r] == [2, 4]
+    assert [r["step"] for r in logs if "toy/turns" in r] == after
     assert [r["toy/turns"] for r in logs if "toy/turns" in r] == [
         sum(len(ep.turns) for ep in step.episodes) for step in toy.steps]
 
@@ -152,6 +159,30 @@ def test_unlikelihood_is_a_mean_over_the_optimizer_step_under_gradient_accumulat
     assert whole.state.log_history[0]["sup/unlikely_tokens"] == split.state.log_history[0]["sup/unlikely_tokens"]
     assert (g_split - g_whole).norm() <= 1e-5 * g_whole.norm()
 
+
+
+@pytest.mark.slow
+def test_with_two_passes_over_a_batch_trl_logs_unlikelihood_of_the_last_pass_as_ours(tmp_path, tiny_checkpoint):
+    """num_iterations 2 (ours: grpo.updates_per_batch): two optimizer steps on one generation batch; as our
+    update, unlikelihood's sums count the last pass only -- its rejected tokens once, not twice."""
+    from transformers import AutoTokenizer
+
+    from toolcollapse.config import load_config
+    from toolcollapse.integrations.trl import MonitoredGRPOTrainer, engine_rollouts, episode_success, task_dataset
+    from toolcollapse.model import load_model
+
+    cfg = load_config("configs/tiny_rl.yaml", ["world.n_train=2000", "world.n_test=200", "world.n_ood=150",
+                                               "rollout.max_turns=3", "rollout.max_new_tokens=24"])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    trainer = _keeping(MonitoredGRPOTrainer)(
+        model=load_model(tiny_checkpoint), reward_funcs=episode_success, processing_class=tokenizer,
+        args=_tool_world_args(tmp_path, num_generations=4, num_iterations=2, max_steps=2),
+        train_dataset=task_dataset(cfg, "train", 2), unlikelihood_coef=0.5,
+        rollout_func=engine_rollouts(cfg, tokenizer, tasks=_tasks(cfg)))
+    trainer.train()
+    marked = int(trainer.saved[1]["unlikely"].sum())
+    first, second = (r for r in trainer.state.log_history if "loss" in r)
+    assert marked > 0 and "sup/unlikely_tokens" not in first and second["sup/unlikely_tokens"] == marked
 
 def _tasks(cfg, n=2):
     from toolcollapse.envs import make_env

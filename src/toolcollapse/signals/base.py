@@ -25,7 +25,8 @@ class OptimizerStep:
     last_pass: bool  # the last of `grpo.updates_per_batch` passes over the batch
     # what a term's mean over the marked tokens (`batch.unlikely`) divides by; None: `batch`'s own count (ours:
     # `batch` is the whole optimizer step). TRL's micro-batch is a part of one, its losses averaged over the
-    # accumulation steps: the step's count over its ranks and micro-batches, per micro-batch
+    # accumulation steps: the step's count over its ranks and micro-batches, per micro-batch (with several
+    # optimizer steps a generation batch, the batch's count per step, as TRL's own `dapo` normaliser)
     marked_tokens: float | None = None
 
 

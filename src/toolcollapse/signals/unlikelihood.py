@@ -18,7 +18,8 @@ from toolcollapse.supervision import unlikely_positions
 
 class Unlikelihood(LossTerm):
     """coef * -log(1 - p) at the marked tokens, a mean over the optimizer step's (ours: `begin`'s batch, the
-    mini-batch; TRL's: its `marked_tokens`, so that the micro-batches of a step add up to the same mean)."""
+    mini-batch; TRL's: its `marked_tokens`, so that the micro-batches of a step add up to the same mean, with
+    one optimizer step a generation batch, TRL's default)."""
 
     SUMS = ("unlikelihood", "tokens")  # over the last pass: the terms' sum and their tokens
 

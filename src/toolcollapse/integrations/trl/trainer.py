@@ -13,7 +13,7 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from toolcollapse.config import MonitorConfig
-from toolcollapse.integrations.trl._common import _gather_rows, _loss_mask
+from toolcollapse.integrations.trl._common import _from_rank_zero, _gather_rows, _loss_mask
 from toolcollapse.integrations.trl.callback import ControlTokenCallback
 from toolcollapse.integrations.trl.environment import speak_toolcollapse_chat
 from toolcollapse.integrations.trl.interleaved import rollout_episode, tag_of_ids
@@ -58,7 +58,8 @@ class MonitoredGRPOTrainer(GRPOTrainer):
         `token_loss` or `backward` (a forward of its own), a signal that needs our loop (`start`, `on_alarm`:
         ETS and PRS are `train_interleaved`'s rounds; adaptive is not supported). A signal's `after_update` runs
         after the optimizer step that ends its generation batch's updates, before that step's log (and the
-        monitor's alarms); what it returns is logged there (this rank's; the last batch's in a window)."""
+        monitor's alarms); what it returns is logged there (rank 0's, as the signals' `metrics`, so that every
+        rank's alarms read the same; the last batch's in a window)."""
         self._call_end_id: int | None = None
         tokenizer, model = kwargs.get("processing_class"), kwargs.get("model", args[0] if args else None)
         if kwargs.get("tools") or kwargs.get("environment_factory"):
@@ -81,7 +82,9 @@ class MonitoredGRPOTrainer(GRPOTrainer):
         self.call_end = call_end
         self._terms: list[LossTerm] = []  # the loss terms of the generation batch in use
         self._sft: SFTTermLoss | None = None  # its SFT term (`sft_coef`), run by `_supervision_loss`
-        self._updating: Step | None = None  # the generation batch in its updates, as the signals' Step
+        # the generation batches in their updates, as the signals' Steps, with the micro-batch count (`_step`)
+        # that ends each one's updates
+        self._updating: list[tuple[int, Step]] = []
         self._after: dict[str, float] = {}  # the signals' `after_update` metrics, for the next log
         if self.signals:
             self.add_callback(_AfterUpdate(self))
@@ -253,7 +256,8 @@ class MonitoredGRPOTrainer(GRPOTrainer):
                                             out["prompt_ids"][i][out["prompt_mask"][i].bool()].tolist(),
                                             out["completion_ids"][i][keep].tolist(), mask[i][keep].tolist(),
                                             self.processing_class, call_end=self.call_end, id_to_tag=self._tag_of))
-        step = self._updating = Step(self.step_offset + self.state.global_step, [], episodes, kinds)
+        step = Step(self.step_offset + self.state.global_step, [], episodes, kinds)
+        self._updating.append((self._step + self._per_batch(), step))
         for signal in self.signals:
             for term in signal.terms(step):
                 own = [hook for hook in ("token_loss", "backward") if _overrides(term, hook)]
@@ -266,21 +270,26 @@ class MonitoredGRPOTrainer(GRPOTrainer):
                              "expert rows' loss")
         return terms
 
+    def _per_batch(self) -> int:
+        """The micro-batches a generation batch is trained in (TRL's `_step` counts them)."""
+        return self.args.steps_per_generation * self.num_iterations
+
     def _after_update(self) -> None:
-        """After an optimizer step: once the generation batch's updates are all done (TRL's `_step` counts
-        micro-batches; a batch is `steps_per_generation` x `num_iterations` of them), each signal's
-        `after_update` on its Step."""
-        if self._updating is None or self._step % (self.args.steps_per_generation * self.num_iterations):
-            return
-        step, self._updating = self._updating, None
-        for signal in self.signals:
-            self._after.update(signal.after_update(step))
+        """After an optimizer step: for each generation batch whose micro-batches are all in it or before it
+        (also where the accumulation steps do not line up with the batches), each signal's `after_update`."""
+        while self._updating and self._updating[0][0] <= self._step:
+            _, step = self._updating.pop(0)
+            for signal in self.signals:
+                self._after.update(signal.after_update(step))
 
     def _term_losses(self, inputs: dict[str, Any], logp: torch.Tensor, old: torch.Tensor) -> torch.Tensor | None:
         """The loss terms' `forward_loss` on this micro-batch (its sampled tokens: TRL's loss mask), each told
         that the micro-batch is its optimizer step (`begin`; a mean over marked tokens divides by the whole
-        step's count, `marked_tokens`) and divided over the accumulation steps. Terms with neither hook (OPS's
-        LUFFY shaping: `expert_loss` alone, run by `_compute_loss`) are not asked."""
+        step's count, `marked_tokens`) and divided over the accumulation steps. `marked_tokens` is the generation
+        batch's count per optimizer step, as TRL's `dapo` normaliser: the step's own count with one optimizer
+        step a generation batch (`steps_per_generation` = `gradient_accumulation_steps`, TRL's default), their
+        average with several. Terms with neither hook (OPS's LUFFY shaping: `expert_loss` alone, run by
+        `_compute_loss`) are not asked."""
         terms = [t for t in self._terms if _overrides(t, "begin") or _overrides(t, "forward_loss")]
         if not terms:
             return None
@@ -290,9 +299,11 @@ class MonitoredGRPOTrainer(GRPOTrainer):
         marked = inputs.get("unlikely_in_batch")
         if marked is not None:
             marked = float(self._window(marked)) / self.current_gradient_accumulation_steps if marked else 0.0
+        # this micro-batch's pass over its generation batch (TRL's `_step`: the micro-batches before it)
+        last = (self._step % self._per_batch()) // self.args.steps_per_generation == self.num_iterations - 1
         added = []
         for term in terms:
-            term.begin(OptimizerStep(batch, 0, len(batch), len(batch), self.num_generations, last_pass=True,
+            term.begin(OptimizerStep(batch, 0, len(batch), len(batch), self.num_generations, last_pass=last,
                                      marked_tokens=marked))
             loss = term.forward_loss(logp[mask], batch)
             if loss is not None:
@@ -426,10 +437,11 @@ class MonitoredGRPOTrainer(GRPOTrainer):
             terms = self.term_sums.reduce([*self._terms, *([self._sft] if self._sft else [])])
             stats = {**self.turns.reduce(), **self.sampled.reduce(), **terms,
                      **self.supervision.reduce(terms.get("sup/sft_tokens", 0.0))}
-            stats.update(self._after)
+            signal_stats = dict(self._after)
             self._after = {}
             for signal in self.signals:
-                stats.update(signal.metrics())
+                signal_stats.update(signal.metrics())
+            stats.update(_from_rank_zero(signal_stats) if self.signals else signal_stats)
             logs.update(stats)
             if self.monitor is not None and stats:
                 # the step the rollouts were sampled at, 0-based as in rl's metrics.jsonl (TRL's global_step
